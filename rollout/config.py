@@ -1,0 +1,73 @@
+"""Config structs (msgspec), decoded from TOML files or keyword overrides with path-named errors."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+T = TypeVar("T")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One engine: the model directory, where it runs, and the sizes of its KV cache and batches.
+
+    `num_blocks` blocks of `block_size` tokens each hold the KV of every layer. A step computes at
+    most `max_batch_tokens` tokens for at most `max_num_seqs` sequences. `cpu_offload_gib` sizes the
+    CPU pool preempted requests are offloaded to (0 = recompute instead). `max_model_len` defaults
+    to the model's `max_position_embeddings`.
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 512
+    max_batch_tokens: int = 1024
+    max_num_seqs: int = 256
+    cpu_offload_gib: float = 0.0
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device.split(":")[0], DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be >= 1")
+        if self.cpu_offload_gib < 0:
+            raise ValueError(f"EngineConfig.cpu_offload_gib={self.cpu_offload_gib!r} must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len!r} must be >= 1")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"EngineConfig.{name}={value!r} must be one of {allowed}")
+
+
+def convert(data: dict[str, Any], cls: type[T]) -> T:
+    """Decode a plain dict into `cls`; unknown or ill-typed fields raise ValueError naming their path."""
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"invalid {cls.__name__}: {err}") from None
+
+
+def load_toml(path: str | Path, cls: type[T], **overrides: Any) -> T:
+    """Read a TOML file into `cls`, with keyword overrides applied on top of the file's top level."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    data.update(overrides)
+    return convert(data, cls)

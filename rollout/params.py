@@ -1,0 +1,54 @@
+"""Sampling parameters: the per-call contract between a trainer and the engines."""
+
+from __future__ import annotations
+
+import msgspec
+
+LOGPROBS_MODES = ("processed", "raw")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How to sample the completions of one prompt; validated on construction.
+
+    `temperature=0` means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
+    fresh seed per request; a fixed seed makes each sample independent of what shares its batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs_mode: str = "processed"
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 disables it)")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "must be non-negative token ids")
+        _check(self.seed is None or self.seed >= 0, "seed", self.seed, "must be None or >= 0")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
+               f"must be one of {LOGPROBS_MODES}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the sample is the argmax at every step."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "SamplingParams":
+        """Build from keyword arguments, turning unknown or ill-typed ones into a ValueError."""
+        return msgspec.convert(kwargs, cls, strict=False)
+
+
+def _check(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} {why}")

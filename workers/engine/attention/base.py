@@ -1,0 +1,46 @@
+"""What every attention backend shares: per-step metadata and the backend interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the packed tokens of one step sit, set once per step and read by every layer.
+
+    Tokens of sequence `b` are rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]` of the packed batch; they are
+    its last positions, so sequence `b` attends over `seq_lens[b]` cached tokens (the new ones
+    included) held in the blocks `block_table[b]`. `slot_mapping[t]` is the cache slot
+    (block * block_size + offset) the K/V of token `t` is written to; -1 skips a padding token.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class AttentionBackend:
+    """Writes the new K/V of a step into the paged cache and attends over each sequence's blocks.
+
+    `kv_cache` is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.meta: AttentionMetadata | None = None
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> None:
+        """Take this step's metadata; backends precompute what all layers share here."""
+        self.meta = meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> attention output `[T, Hq, D]`."""
+        raise NotImplementedError
