@@ -1,0 +1,47 @@
+"""Paged attention registered with transformers' `AttentionInterface`.
+
+The model runner installs one backend per step (`set_backend`); every attention layer of the Hugging
+Face model then calls `paged_attention_forward`, which hands its packed q/k/v to that backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+
+ATTN_IMPLEMENTATION = "rollout_paged"
+
+# Keyword arguments transformers passes along that carry nothing our attention must act on.
+_IGNORED_KWARGS = {"position_ids", "use_cache", "output_attentions", "is_causal", "cache_position",
+                   "past_key_values", "position_embeddings", "layer_idx", "dropout"}
+
+_backend: AttentionBackend | None = None
+
+
+def set_backend(backend: AttentionBackend | None) -> None:
+    """Make `backend` the one every layer's attention goes through (per process)."""
+    global _backend
+    _backend = backend
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend."""
+    unsupported = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS)
+    if unsupported:
+        raise NotImplementedError(f"paged attention does not support the arguments {unsupported}")
+    if query.shape[0] != 1:
+        raise ValueError(f"paged attention expects one packed sequence, got batch {query.shape[0]}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _backend.forward(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                           value[0].transpose(0, 1), scale, sliding_window, softcap)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionMetadata", "set_backend"]

@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random models built once per session, and an engine driver that checks
+block accounting after every step."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from rollout import SamplingParams
+from workers.engine import Engine, EngineConfig
+from workers.engine.tiny_models import build_tiny_model
+
+ARCH_OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24}}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """`model_dir(arch, **overrides)` -> path of a tiny random model, built once per argument set."""
+
+    @functools.cache
+    def build(arch: str = "qwen3", **overrides) -> str:
+        path = tmp_path_factory.mktemp(arch)
+        return str(build_tiny_model(path, arch, **{**ARCH_OVERRIDES.get(arch, {}), **overrides}))
+
+    return lambda arch="qwen3", **overrides: build(arch, **overrides)
+
+
+def make_engine(model: str, **config) -> Engine:
+    """An in-process CPU float32 engine with test-sized defaults."""
+    defaults = dict(device="cpu", dtype="float32", block_size=16, num_blocks=256, max_batch_tokens=256)
+    return Engine(EngineConfig(model=model, **{**defaults, **config}))
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        max_steps: int = 100_000) -> dict[tuple[int, int], dict]:
+    """Drive `engine` step by step, checking integrity after each; rows keyed by (prompt, sample)."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(prompt, p, prompt_index=i)
+    rows = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for row in engine.step():
+            key = (row["prompt_index"], row["sample_index"])
+            assert key not in rows, f"sample {key} finished twice"
+            rows[key] = row
+        engine.check_integrity()
+    assert not engine.has_unfinished(), "engine did not finish within max_steps"
+    assert_nothing_leaked(engine)
+    return rows
+
+
+def assert_nothing_leaked(engine: Engine) -> None:
+    """Every block is free or cached once nothing runs."""
+    stats = engine.stats()
+    assert stats["blocks_free"] + stats["blocks_cached"] == stats["blocks_total"]
+    assert not engine.groups
+
+
+def hf_model(path: str) -> transformers.PreTrainedModel:
+    """The same checkpoint through plain transformers (sdpa attention), float32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """`count` prompts of random tokens (avoiding the special ids 0 and 1) with mixed lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (count,), generator=gen).tolist()
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in sizes]

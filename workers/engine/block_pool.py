@@ -1,0 +1,112 @@
+"""Fixed-size KV blocks with refcounts and a chained-hash prefix cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Iterable
+
+import numpy as np
+import xxhash
+
+
+def hash_block(parent: int, token_ids: list[int]) -> int:
+    """Chained hash of one complete block: its tokens and the hash of the block before it."""
+    data = parent.to_bytes(8, "little") + np.asarray(token_ids, dtype=np.int64).tobytes()
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class BlockPool:
+    """Hands out KV blocks. A block is used (refcount > 0), cached (free but holding hashed KV that a
+    later prompt may reuse; evicted oldest first) or free."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that `allocate` can hand out now (free plus evictable cached)."""
+        return len(self.free) + len(self.cached)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks with refcount 1; evicts the oldest cached blocks when no free one is left."""
+        if n > self.num_available:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_available} available")
+        blocks = []
+        for _ in range(n):
+            block = self.free.popleft() if self.free else self._evict_oldest()
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict_oldest(self) -> int:
+        block, _ = self.cached.popitem(last=False)
+        self._unhash(block)
+        return block
+
+    def _unhash(self, block: int) -> None:
+        if self.hash_to_block.get(self.hashes[block]) == block:
+            del self.hash_to_block[self.hashes[block]]
+        self.hashes[block] = None
+        self.block_tokens[block] = None
+
+    def share(self, block: int) -> None:
+        """One more owner of `block` (a forked child, or a prompt that hit the prefix cache)."""
+        if self.ref_counts[block] == 0:
+            del self.cached[block]
+        self.ref_counts[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one owner of each block; unowned hashed blocks stay cached, others become free."""
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.hashes[block] is None:
+                    self.free.append(block)
+                else:
+                    self.cached[block] = None
+
+    def lookup(self, block_hash: int, token_ids: list[int]) -> int | None:
+        """The block holding exactly these tokens after this chain, if the cache has it."""
+        block = self.hash_to_block.get(block_hash)
+        if block is None or self.block_tokens[block] != tuple(token_ids):
+            return None
+        return block
+
+    def register(self, block: int, block_hash: int, token_ids: list[int]) -> None:
+        """Mark a complete, computed block as reusable by later prompts with the same prefix."""
+        if block_hash in self.hash_to_block or self.hashes[block] is not None:
+            return
+        self.hashes[block] = block_hash
+        self.block_tokens[block] = tuple(token_ids)
+        self.hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash: cached blocks become free, used blocks are never matched again."""
+        for block in list(self.hash_to_block.values()):
+            self._unhash(block)
+        self.free.extend(self.cached)
+        self.cached.clear()
+
+    def check_integrity(self, block_tables: Iterable[list[int]]) -> None:
+        """Prove free + used + cached == total and that refcounts equal the owners in block tables."""
+        owners = [0] * self.num_blocks
+        for table in block_tables:
+            for block in table:
+                owners[block] += 1
+        used = sum(1 for c in self.ref_counts if c > 0)
+        free, cached = set(self.free), set(self.cached)
+        assert len(free) == len(self.free), "a block is twice in the free list"
+        assert not free & cached, "a block is both free and cached"
+        assert len(free) + len(cached) + used == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + used {used} != total {self.num_blocks}")
+        assert owners == self.ref_counts, "refcounts do not match block tables"
+        assert all(self.ref_counts[b] == 0 for b in free | cached), "a free or cached block has owners"
+        assert all(self.hashes[b] is not None for b in cached), "a cached block has no hash"
+        assert all(self.hashes[b] == h for h, b in self.hash_to_block.items()), "hash table out of sync"

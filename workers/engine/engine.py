@@ -1,0 +1,215 @@
+"""The engine: requests in, one continuous-batching step at a time, finished samples out."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+
+import pyarrow as pa
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from rollout.config import EngineConfig
+from rollout.params import SamplingParams
+from rollout.schema import samples_to_batch, sort_samples
+from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.model_runner import ModelRunner
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Group, Sequence
+from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
+
+
+class Engine:
+    """One continuous-batching LLM engine on one device; not thread-safe (one thread drives it)."""
+
+    def __init__(self, config: EngineConfig, worker_id: int = 0) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.runner = ModelRunner(config)
+        hf = self.runner.model.config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings,
+                                 hf.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(self.runner.model)
+        self.tokenizer = _load_tokenizer(config.model)
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.pool)
+        self.groups: dict[str, Group] = {}
+        self.policy_version = 0
+        self.counters = dict.fromkeys(("steps", "prefill_tokens", "decode_tokens", "forks"), 0)
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids of each prompt, validated; strings need the model's tokenizer."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list, got {prompts!r:.80}")
+        out = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"prompt {i} is a string but model {self.config.model!r} has no tokenizer")
+                prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            out.append(self._check_prompt(i, list(prompt)))
+        return out
+
+    def _check_prompt(self, index: int, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's maximum length is "
+                             f"{self.max_model_len} (prompt + at least one generated token)")
+        return ids
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                    request_id: str | None = None, prompt_index: int = 0,
+                    sample_indices: list[int] | None = None) -> str:
+        """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
+        ids = self._check_prompt(prompt_index, list(prompt_token_ids))
+        indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
+        if not indices or not all(0 <= i < params.n for i in indices):
+            raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({params.n})")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.groups:
+            raise ValueError(f"request_id={request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, len(indices))
+        self.groups[request_id] = group
+        self.scheduler.add(Sequence(group, indices, list(ids)))
+        return request_id
+
+    def abort(self, request_id: str) -> list[dict]:
+        """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""
+        seqs = [s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.group.request_id == request_id]
+        rows = []
+        for seq in seqs:
+            self.scheduler.finish(seq)
+            for index in seq.sample_indices:
+                rows.append(self._row(seq, index, "abort"))
+        self.groups.pop(request_id, None)
+        return rows
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[dict]:
+        """Run one batch through the model; returns the rows of the samples that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.has_unfinished():
+                raise RuntimeError("no request can be scheduled: the KV cache is too small for any of them")
+            return []
+        logits = self.runner.run(batch.seqs, batch.num_tokens)
+        self.counters["steps"] += 1
+        finishing = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.counters["decode_tokens" if seq.num_uncomputed == 1 else "prefill_tokens"] += n
+            seq.num_computed_tokens += n
+            self.scheduler.register_blocks(seq)
+            if seq.num_uncomputed == 0:
+                finishing.append(seq)
+        return self._append_samples(finishing, logits)
+
+    def _append_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> list[dict]:
+        """Sample a token for each row (a fork gives one row per child), then check stops."""
+        rows = sampling_rows(seqs)
+        if not rows:
+            return []
+        batch = build_sampling_batch(rows, logits.device)
+        tokens, logprobs = sample(logits[[r.logits_row for r in rows]], batch)
+        children = self._fork(seqs)
+        finished = []
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
+            seq = children[(id(row.seq), row.sample_index)]
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq)
+                finished.append(self._row(seq, seq.sample_indices[0], reason))
+        return finished
+
+    def _fork(self, seqs: list[Sequence]) -> dict[tuple[int, int], Sequence]:
+        """Split every unforked sequence into one sequence per sample index."""
+        out, copies = {}, []
+        for seq in seqs:
+            first, *rest = seq.sample_indices
+            children = [seq.fork(i) for i in rest]
+            copies += self.scheduler.fork(seq, children)
+            seq.sample_indices = [first]
+            self.counters["forks"] += len(children)
+            out[(id(seq), first)] = seq
+            out.update(((id(seq), c.sample_indices[0]), c) for c in children)
+        self.runner.copy_blocks(copies)
+        return out
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        group = seq.group
+        if token in group.eos_token_ids or token in group.params.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= group.params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _row(self, seq: Sequence, sample_index: int, reason: str) -> dict:
+        group = seq.group
+        group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            self.groups.pop(group.request_id, None)
+        generated = seq.token_ids[seq.num_prompt_tokens:]
+        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else None
+        return {"request_id": f"{group.request_id}/{sample_index}", "prompt_index": group.prompt_index,
+                "sample_index": sample_index, "prompt_token_ids": group.prompt_token_ids,
+                "token_ids": generated, "logprobs": seq.logprobs[: len(generated)], "finish_reason": reason,
+                "policy_version": self.policy_version, "num_preemptions": seq.num_preemptions,
+                "worker_id": self.worker_id, "text": text}
+
+    # ---- whole calls and introspection ------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+                 use_tqdm: bool = False) -> pa.Table:
+        """Every sample of every prompt, rows ordered by prompt then sample."""
+        token_lists = self.tokenize(prompts)
+        for i, ids in enumerate(token_lists):
+            self.add_request(ids, params, prompt_index=i)
+        rows = []
+        with tqdm(total=len(token_lists) * params.n, disable=not use_tqdm, desc="samples") as bar:
+            while self.has_unfinished():
+                done = self.step()
+                rows += done
+                bar.update(len(done))
+        return sort_samples(pa.Table.from_batches([samples_to_batch(rows)]))
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start, and the block pool's current state."""
+        return {**self.counters, "cached_prefix_tokens": self.scheduler.cached_prefix_tokens,
+                "offloads": 0, "restores": 0, "recomputes": 0, "blocks_total": self.pool.num_blocks,
+                "blocks_free": len(self.pool.free), "blocks_cached": len(self.pool.cached),
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+
+    def check_integrity(self) -> None:
+        """Assert that block accounting balances (tests call this after every step)."""
+        self.pool.check_integrity(self.scheduler.block_tables())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; KV already computed is never matched again."""
+        self.pool.reset_prefix_cache()
+
+
+def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
+
+
+def _load_tokenizer(model_dir: str):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        return None

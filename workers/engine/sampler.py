@@ -1,0 +1,120 @@
+"""Per-row temperature, top-k, top-p, min-p and greedy sampling with counter-based noise.
+
+Each row draws one uniform number from a hash of (seed, prompt hash, sample index, position) and
+inverts the CDF of its filtered distribution, so a seeded sample is the same whatever shares its
+batch, and whether or not it was preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.engine.sequence import Sequence
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser: a bijective scramble of 64-bit counters."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, prompt_hashes: np.ndarray, sample_indices: np.ndarray,
+             positions: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of its four uint64 keys."""
+    with np.errstate(over="ignore"):
+        h = _mix(seeds.astype(np.uint64))
+        for key in (prompt_hashes, sample_indices, positions):
+            h = _mix(h ^ key.astype(np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    uniform: torch.Tensor  # [B] float64
+    raw_logprobs: torch.Tensor  # [B] bool: report the model's own logprob
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Logits after temperature, top-k, top-p and min-p (in that order); removed tokens are -inf."""
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    x = logits / temp[:, None]
+    vocab = x.shape[-1]
+    if bool((b.top_k > 0).any()):
+        k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((b.top_p < 1).any()):
+        probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= b.top_p[:, None]
+        x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    if bool((b.min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens `[B]` and the logprob of each under the requested mode (greedy rows report raw)."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    greedy_tokens = logits.argmax(dim=-1)
+    if b.all_greedy:
+        return greedy_tokens, raw.gather(1, greedy_tokens[:, None])[:, 0]
+    processed = torch.log_softmax(filtered_logits(logits, b), dim=-1)
+    cdf = processed.exp().double().cumsum(dim=-1)
+    target = (b.uniform * cdf[:, -1])[:, None]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+    tokens = torch.where(b.temperature > 0, drawn, greedy_tokens)
+    use_raw = b.raw_logprobs | (b.temperature == 0)
+    chosen = torch.where(use_raw[:, None], raw, processed).gather(1, tokens[:, None])[:, 0]
+    return tokens, chosen
+
+
+@dataclass
+class SampleRow:
+    """One token to draw: for `sample_index` of `seq`, from row `logits_row` of the step's logits."""
+
+    seq: Sequence
+    sample_index: int
+    logits_row: int
+
+
+def sampling_rows(seqs: list[Sequence]) -> list[SampleRow]:
+    """A row per wanted sample of each sequence whose logits were computed (forks share a row)."""
+    return [SampleRow(seq, index, i) for i, seq in enumerate(seqs) for index in seq.sample_indices]
+
+
+def build_sampling_batch(rows: list[SampleRow], device: torch.device) -> SamplingBatch:
+    """Per-row parameters and counter-based uniforms keyed by (seed, prompt, sample, position)."""
+    params = [r.seq.group.params for r in rows]
+    keys = np.array([(r.seq.group.seed, r.seq.group.prompt_hash, r.sample_index, len(r.seq.token_ids))
+                     for r in rows], dtype=np.uint64)
+
+    def col(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingBatch(
+        temperature=col([p.temperature for p in params], torch.float32),
+        top_k=col([p.top_k for p in params], torch.long),
+        top_p=col([p.top_p for p in params], torch.float32),
+        min_p=col([p.min_p for p in params], torch.float32),
+        uniform=torch.from_numpy(uniforms(*keys.T)).to(device),
+        raw_logprobs=col([p.logprobs_mode == "raw" for p in params], torch.bool))

@@ -1,0 +1,77 @@
+"""A request group (one prompt, its sampling params) and the sequences that sample it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollout.params import SamplingParams
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Group:
+    """One `add_request` call: a prompt and the sample indices wanted from it."""
+
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt_hash: int
+    eos_token_ids: frozenset[int]
+    num_unfinished: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens and KV blocks of one sample, or of a prompt not yet forked into its samples.
+
+    Before its fork a prompt sequence carries every wanted index in `sample_indices`; each child
+    carries one. `num_computed_tokens` tokens have their K/V in the cache; `block_hashes` holds the
+    chained hashes of the complete blocks among them.
+    """
+
+    group: Group
+    sample_indices: list[int]
+    token_ids: list[int]
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.group.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_forked(self) -> bool:
+        return len(self.sample_indices) == 1
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.group.request_id}/{self.sample_indices[0]}"
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """A child with this sequence's tokens and blocks (the caller fixes refcounts and the last block)."""
+        return Sequence(self.group, [sample_index], list(self.token_ids), self.status,
+                        self.num_computed_tokens, list(self.block_table), list(self.block_hashes),
+                        list(self.logprobs), self.num_preemptions)
