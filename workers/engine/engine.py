@@ -73,6 +73,7 @@ class Engine:
         indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
         if not indices or not all(0 <= i < params.n for i in indices):
             raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({params.n})")
+        self._check_fits(len(ids), params, len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in flight")
@@ -82,6 +83,20 @@ class Engine:
         self.groups[request_id] = group
         self.scheduler.add(Sequence(group, indices, list(ids)))
         return request_id
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams, num_samples: int) -> None:
+        """Refuse a request the cache could never hold, so nothing waits forever."""
+        cfg = self.config
+        if num_samples > cfg.max_num_seqs:
+            raise ValueError(f"{num_samples} samples of one prompt exceed max_num_seqs={cfg.max_num_seqs}")
+        longest = min(prompt_len + params.max_new_tokens, self.max_model_len) - 1
+        need = -(-longest // cfg.block_size)
+        at_fork = -(-prompt_len // cfg.block_size) + (num_samples - 1 if prompt_len % cfg.block_size else 0)
+        if max(need, at_fork) > cfg.num_blocks:
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens with max_new_tokens={params.max_new_tokens} and "
+                f"{num_samples} samples needs {max(need, at_fork)} blocks of {cfg.block_size} tokens; "
+                f"the cache has num_blocks={cfg.num_blocks}")
 
     def abort(self, request_id: str) -> list[dict]:
         """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""

@@ -1,0 +1,161 @@
+"""Prefix caching, stop conditions, abort and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import SamplingParams
+from rollout.config import EngineConfig, convert
+from tests.conftest import assert_nothing_leaked, make_engine, random_prompts, run
+from workers.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def qwen3(model_dir):
+    return model_dir("qwen3")
+
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+def test_shared_system_prompt_is_computed_once(qwen3):
+    system = random_prompts(1, 512, (48, 48), seed=10)[0]
+    questions = random_prompts(4, 512, (5, 20), seed=11)
+    prompts = [system + q for q in questions]
+    engine = make_engine(qwen3, block_size=16)
+    first = run(engine, prompts[:1], GREEDY)
+    rest = run(engine, prompts[1:], GREEDY)
+    stats = engine.stats()
+    assert stats["cached_prefix_tokens"] == 3 * 48
+    assert stats["prefill_tokens"] == sum(map(len, prompts)) - 3 * 48
+    plain = run(make_engine(qwen3, enable_prefix_caching=False), prompts, GREEDY)
+    assert first[(0, 0)]["token_ids"] == plain[(0, 0)]["token_ids"]
+    for i in range(3):
+        assert rest[(i, 0)]["token_ids"] == plain[(i + 1, 0)]["token_ids"]
+
+
+def test_identical_prompt_reuses_all_but_last_token(qwen3):
+    prompt = random_prompts(1, 512, (32, 32), seed=12)[0]
+    engine = make_engine(qwen3, block_size=16)
+    a = run(engine, [prompt], GREEDY)
+    b = run(engine, [prompt], GREEDY)
+    assert engine.stats()["cached_prefix_tokens"] == 16
+    assert a[(0, 0)]["token_ids"] == b[(0, 0)]["token_ids"]
+
+
+def test_reset_prefix_cache(qwen3):
+    prompt = random_prompts(1, 512, (40, 40), seed=13)[0]
+    engine = make_engine(qwen3)
+    run(engine, [prompt], GREEDY)
+    assert engine.stats()["blocks_cached"] > 0
+    engine.reset_prefix_cache()
+    engine.check_integrity()
+    assert engine.stats()["blocks_cached"] == 0
+    run(engine, [prompt], GREEDY)
+    assert engine.stats()["cached_prefix_tokens"] == 0
+
+
+def test_stop_conditions(qwen3):
+    engine = make_engine(qwen3, max_model_len=30)
+    prompt = random_prompts(1, 512, (10, 10), seed=14)[0]
+    free = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))[(0, 0)]
+    assert free["finish_reason"] == "length" and len(free["token_ids"]) == 8
+    stop_at = free["token_ids"][3]
+    stopped = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))[(0, 0)]
+    first = free["token_ids"].index(stop_at)
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == free["token_ids"][: first + 1]
+    capped = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True))[(0, 0)]
+    assert capped["finish_reason"] == "length" and len(capped["token_ids"]) == 30 - 10
+
+
+def test_eos_stops_unless_ignored(qwen3):
+    engine = make_engine(qwen3)
+    eos = next(iter(engine.eos_token_ids))
+    prompts = random_prompts(16, 512, (3, 20), seed=15)
+    free = run(engine, prompts, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    hits = [i for i in range(16) if eos in free[(i, 0)]["token_ids"]]
+    assert hits, "no greedy continuation meets eos; pick other prompts"
+    rows = run(engine, prompts, SamplingParams(temperature=0, max_new_tokens=40))
+    for i in range(16):
+        tokens = free[(i, 0)]["token_ids"]
+        if i in hits:
+            assert rows[(i, 0)]["finish_reason"] == "stop"
+            assert rows[(i, 0)]["token_ids"] == tokens[: tokens.index(eos) + 1]
+        else:
+            assert rows[(i, 0)]["token_ids"] == tokens
+
+
+def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
+    engine = make_engine(qwen3)
+    rid = engine.add_request(random_prompts(1, 512, (20, 20))[0], SamplingParams(n=3, max_new_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    rows = engine.abort(rid)
+    engine.check_integrity()
+    assert sorted(r["sample_index"] for r in rows) == [0, 1, 2]
+    assert all(r["finish_reason"] == "abort" and len(r["token_ids"]) == 3 for r in rows)
+    assert not engine.has_unfinished()
+    assert_nothing_leaked(engine)
+
+
+def test_sample_indices_subset(qwen3):
+    prompt = random_prompts(1, 512, (12, 12), seed=16)[0]
+    params = SamplingParams(n=6, max_new_tokens=10, seed=9, ignore_eos=True)
+    full = run(make_engine(qwen3), [prompt], params)
+    engine = make_engine(qwen3)
+    engine.add_request(prompt, params, sample_indices=[4, 1])
+    rows = {}
+    while engine.has_unfinished():
+        rows.update((r["sample_index"], r) for r in engine.step())
+    assert sorted(rows) == [1, 4]
+    assert rows[4]["token_ids"] == full[(0, 4)]["token_ids"]
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "prompt 0 is empty"),
+    ([1, 2, 512], SamplingParams(), "token id 512 outside"),
+    ([1, -3], SamplingParams(), "token id -3 outside"),
+    ([5] * 1024, SamplingParams(), "1024 tokens"),
+    ([5, 6], SamplingParams(n=2), None),
+])
+def test_bad_prompts_rejected_before_work(qwen3, prompt, params, match):
+    engine = make_engine(qwen3)
+    if match is None:
+        with pytest.raises(ValueError, match=r"sample_indices=\[7\]"):
+            engine.add_request(prompt, params, sample_indices=[7])
+    else:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+    assert run(engine, [[5, 6, 7]], GREEDY)[(0, 0)]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=0), "n=0"), (dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),
+    (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2"), (dict(min_p=2.0), "min_p=2.0"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(logprobs_mode="x"), "logprobs_mode='x'"),
+    (dict(bogus=1), "bogus"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.from_kwargs(**kwargs)
+
+
+def test_bad_configs(qwen3, tmp_path):
+    with pytest.raises(ValueError, match="bogus"):
+        convert({"model": qwen3, "bogus": 1}, EngineConfig)
+    with pytest.raises(ValueError, match="block_size"):
+        convert({"model": qwen3, "block_size": "big"}, EngineConfig)
+    with pytest.raises(ValueError, match="dtype='float8'"):
+        EngineConfig(model=qwen3, dtype="float8")
+    with pytest.raises(ValueError, match="not a model directory"):
+        Engine(EngineConfig(model=str(tmp_path / "missing")))
+
+
+def test_request_larger_than_cache_is_refused(qwen3):
+    engine = make_engine(qwen3, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="needs 5 blocks"):
+        engine.add_request([5] * 10, SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        make_engine(qwen3, max_num_seqs=4).add_request([5] * 3, SamplingParams(n=5))

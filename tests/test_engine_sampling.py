@@ -1,0 +1,99 @@
+"""Fork, seeds and the sampling distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rollout import SamplingParams
+from tests.conftest import hf_model, make_engine, random_prompts, run
+from tests.test_engine_parity import exact_distribution
+
+
+@pytest.fixture(scope="module")
+def qwen3(model_dir):
+    return model_dir("qwen3")
+
+
+def test_fork_prefills_once_and_greedy_children_agree(qwen3):
+    prompts = random_prompts(5, 512, (20, 50), seed=1)
+    engine = make_engine(qwen3, max_batch_tokens=64)
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    rows8 = run(engine, prompts, SamplingParams(n=8, temperature=0, max_new_tokens=16, ignore_eos=True))
+    stats = engine.stats()
+    assert stats["prefill_tokens"] == sum(map(len, prompts))
+    assert stats["forks"] == 5 * 7
+    rows1 = run(make_engine(qwen3), prompts, greedy)
+    for i in range(len(prompts)):
+        for s in range(8):
+            assert rows8[(i, s)]["token_ids"] == rows1[(i, 0)]["token_ids"]
+            assert rows8[(i, s)]["logprobs"] == pytest.approx(rows1[(i, 0)]["logprobs"], abs=1e-5)
+
+
+@pytest.mark.parametrize("prompt_len", [32, 37])  # block-aligned and with a partial last block
+def test_sampled_children_differ_and_share_blocks(qwen3, prompt_len):
+    prompt = random_prompts(1, 512, (prompt_len, prompt_len), seed=2)[0]
+    engine = make_engine(qwen3, block_size=16)
+    engine.add_request(prompt, SamplingParams(n=8, max_new_tokens=20, seed=5, ignore_eos=True))
+    engine.step()
+    engine.check_integrity()
+    tables = [s.block_table for s in engine.scheduler.running]
+    full = prompt_len // 16
+    assert len(tables) == 8 and all(t[:full] == tables[0][:full] for t in tables)
+    assert engine.pool.ref_counts[tables[0][0]] == 8, "complete prompt blocks are shared by all children"
+    if prompt_len % 16:
+        assert len({t[full] for t in tables}) == 8, "each child owns a copy of the partial block"
+    rows = {}
+    while engine.has_unfinished():
+        rows.update((row["sample_index"], row) for row in engine.step())
+        engine.check_integrity()
+    assert len({tuple(row["token_ids"]) for row in rows.values()}) == 8
+
+
+def test_seeded_sample_independent_of_batch(qwen3):
+    target = random_prompts(1, 512, (25, 25), seed=3)[0]
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.95, max_new_tokens=20, seed=1234, ignore_eos=True)
+    alone = run(make_engine(qwen3), [target], params)
+    others = random_prompts(30, 512, (5, 60), seed=4)
+    mixed = [SamplingParams(n=2, temperature=1.0, max_new_tokens=10 + i % 7, ignore_eos=True) for i in range(30)]
+    crowd = run(make_engine(qwen3, block_size=8, max_batch_tokens=40), others + [target], mixed + [params])
+    for s in range(4):
+        assert crowd[(30, s)]["token_ids"] == alone[(0, s)]["token_ids"]
+        assert crowd[(30, s)]["logprobs"] == pytest.approx(alone[(0, s)]["logprobs"], abs=1e-5)
+
+
+def test_unseeded_requests_differ(qwen3):
+    prompt = random_prompts(1, 512, (10, 10), seed=5)
+    a = run(make_engine(qwen3), prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    b = run(make_engine(qwen3), prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert a[(0, 0)]["token_ids"] != b[(0, 0)]["token_ids"]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=12),
+    dict(temperature=1.5, top_p=0.7),
+    dict(temperature=1.2, min_p=0.1),
+    dict(temperature=0.9, top_k=40, top_p=0.8, min_p=0.02),
+], ids=str)
+def test_first_token_distribution_chi_square(qwen3, params):
+    n = 3000
+    prompt = random_prompts(1, 512, (32, 32), seed=6)[0]
+    p = SamplingParams(n=n, max_new_tokens=1, seed=2024, **params)
+    engine = make_engine(qwen3, max_num_seqs=n, num_blocks=64)
+    rows = run(engine, [prompt], p)
+    counts = torch.zeros(512)
+    for s in range(n):
+        counts[rows[(0, s)]["token_ids"][0]] += 1
+    with torch.no_grad():
+        logits = hf_model(qwen3)(torch.tensor([prompt])).logits[0, -1]
+    probs = exact_distribution(logits, p)
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was sampled"
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    result = chisquare(obs[keep].numpy(), exp[keep].numpy())
+    assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e} over {int(keep.sum())} bins"

@@ -1,0 +1,60 @@
+"""The torch paged attention against a naive per-token softmax, with windows, softcap and GQA."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from workers.engine.attention.base import AttentionMetadata
+from workers.engine.attention.torch_backend import TorchBackend
+
+
+def naive(q, keys, values, q_pos, scale, window, softcap):
+    """One query row against one sequence's keys, every head, the slow and obvious way."""
+    h_q, h_kv = q.shape[0], keys.shape[1]
+    out = torch.empty_like(q)
+    for h in range(h_q):
+        s = keys[:, h // (h_q // h_kv)] @ q[h] * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        pos = torch.arange(len(keys))
+        allowed = pos <= q_pos
+        if window:
+            allowed &= pos > q_pos - window
+        s[~allowed] = float("-inf")
+        out[h] = torch.softmax(s, 0) @ values[:, h // (h_q // h_kv)]
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0), (6, 2.0)])
+@pytest.mark.parametrize("h_q, h_kv", [(4, 4), (8, 2), (5, 1)])
+def test_torch_backend_matches_naive(window, softcap, h_q, h_kv):
+    torch.manual_seed(0)
+    bs, d, pairs = 4, 16, [(1, 9), (5, 5), (3, 13), (1, 1), (7, 20)]
+    kv = torch.zeros(1, 2, 64, bs, h_kv, d)
+    tables = torch.randperm(64)[: 6 * len(pairs)].view(len(pairs), 6).int()
+    keys = [torch.randn(k, h_kv, d) for _, k in pairs]
+    values = [torch.randn(k, h_kv, d) for _, k in pairs]
+    slots = []
+    for b, (q_len, k_len) in enumerate(pairs):
+        for p in range(k_len):
+            slot = int(tables[b, p // bs]) * bs + p % bs
+            if p < k_len - q_len:
+                kv[0, 0].view(-1, h_kv, d)[slot], kv[0, 1].view(-1, h_kv, d)[slot] = keys[b][p], values[b][p]
+            else:
+                slots.append(slot)
+    new_k = torch.cat([keys[b][k - q:] for b, (q, k) in enumerate(pairs)])
+    new_v = torch.cat([values[b][k - q:] for b, (q, k) in enumerate(pairs)])
+    q = torch.randn(len(new_k), h_q, d)
+    cu = torch.tensor([0, *itertools.accumulate(q for q, _ in pairs)], dtype=torch.int32)
+    backend = TorchBackend(kv)
+    backend.prepare_metadata(AttentionMetadata(torch.tensor(slots), cu, torch.tensor([k for _, k in pairs],
+                                               dtype=torch.int32), tables, 7, 20))
+    out = backend.forward(0, q, new_k, new_v, 0.3, window, softcap)
+    for b, (q_len, k_len) in enumerate(pairs):
+        for i in range(q_len):
+            t = int(cu[b]) + i
+            want = naive(q[t], keys[b], values[b], k_len - q_len + i, 0.3, window, softcap)
+            torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
