@@ -74,18 +74,26 @@ def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens `[B]` and the logprob of each under the requested mode (greedy rows report raw)."""
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
-    if b.all_greedy:
-        return greedy_tokens, raw.gather(1, greedy_tokens[:, None])[:, 0]
-    processed = torch.log_softmax(filtered_logits(logits, b), dim=-1)
-    cdf = processed.exp().double().cumsum(dim=-1)
-    target = (b.uniform * cdf[:, -1])[:, None]
-    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
-    tokens = torch.where(b.temperature > 0, drawn, greedy_tokens)
-    use_raw = b.raw_logprobs | (b.temperature == 0)
-    chosen = torch.where(use_raw[:, None], raw, processed).gather(1, tokens[:, None])[:, 0]
+    greedy = b.temperature == 0
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+        return tokens, _raw_logprobs(logits, tokens)
+    x = filtered_logits(logits, b)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    cdf = torch.exp(x - lse).cumsum(dim=-1)
+    target = (b.uniform[:, None] * cdf[:, -1:].double()).float()
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    chosen = (x.gather(1, tokens[:, None]) - lse)[:, 0]
+    use_raw = b.raw_logprobs | greedy
+    if bool(use_raw.any()):
+        chosen = torch.where(use_raw, _raw_logprobs(logits, tokens), chosen)
     return tokens, chosen
+
+
+def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return (logits.gather(1, tokens[:, None]) - torch.logsumexp(logits, dim=-1, keepdim=True))[:, 0]
 
 
 @dataclass
