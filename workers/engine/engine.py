@@ -16,6 +16,7 @@ from rollout.params import SamplingParams
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
+from workers.engine.offload import CpuPool
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
 from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
@@ -35,10 +36,12 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = _load_tokenizer(config.model)
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.pool)
+        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
+        self.scheduler = Scheduler(config, self.pool, self.cpu_pool)
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
-        self.counters = dict.fromkeys(("steps", "prefill_tokens", "decode_tokens", "forks"), 0)
+        self.counters = dict.fromkeys(
+            ("steps", "prefill_tokens", "decode_tokens", "recomputed_tokens", "forks"), 0)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -100,7 +103,7 @@ class Engine:
 
     def abort(self, request_id: str) -> list[dict]:
         """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""
-        seqs = [s for s in [*self.scheduler.running, *self.scheduler.waiting] if s.group.request_id == request_id]
+        seqs = [s for s in self.scheduler.sequences() if s.group.request_id == request_id]
         rows = []
         for seq in seqs:
             self.scheduler.finish(seq)
@@ -120,11 +123,14 @@ class Engine:
             if self.has_unfinished():
                 raise RuntimeError("no request can be scheduled: the KV cache is too small for any of them")
             return []
+        if self.cpu_pool:
+            self.cpu_pool.copy_out(batch.swap_out)
+            self.cpu_pool.copy_in(batch.swap_in)
         logits = self.runner.run(batch.seqs, batch.num_tokens)
         self.counters["steps"] += 1
         finishing = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.counters["decode_tokens" if seq.num_uncomputed == 1 else "prefill_tokens"] += n
+            self.counters[_token_kind(seq)] += n
             seq.num_computed_tokens += n
             self.scheduler.register_blocks(seq)
             if seq.num_uncomputed == 0:
@@ -202,10 +208,13 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counters since start, and the block pool's current state."""
-        return {**self.counters, "cached_prefix_tokens": self.scheduler.cached_prefix_tokens,
-                "offloads": 0, "restores": 0, "recomputes": 0, "blocks_total": self.pool.num_blocks,
-                "blocks_free": len(self.pool.free), "blocks_cached": len(self.pool.cached),
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
+        sched, swapper = self.scheduler, self.scheduler.swapper
+        return {**self.counters, "cached_prefix_tokens": sched.cached_prefix_tokens,
+                "offloads": swapper.offloads, "restores": swapper.restores, "recomputes": sched.recomputes,
+                "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
+                "blocks_cached": len(self.pool.cached), "cpu_blocks_total": self.cpu_pool.num_blocks if
+                self.cpu_pool else 0, "cpu_blocks_used": self.cpu_pool.num_used if self.cpu_pool else 0,
+                "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(swapper.swapped)}
 
     def check_integrity(self) -> None:
         """Assert that block accounting balances (tests call this after every step)."""
@@ -214,6 +223,13 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; KV already computed is never matched again."""
         self.pool.reset_prefix_cache()
+
+
+def _token_kind(seq: Sequence) -> str:
+    """Which counter a computed token goes to: prompt prefill, decode, or recompute after preemption."""
+    if seq.num_uncomputed == 1:
+        return "decode_tokens"
+    return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"
 
 
 def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:

@@ -1,38 +1,34 @@
-"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks."""
+"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks.
+
+When blocks run short, the newest running requests are preempted, enough at once that every
+remaining decode gets its block: offloaded to the CPU pool when it has room, otherwise reset for
+recompute. Offloaded requests are restored before any new prompt is admitted.
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from rollout.config import EngineConfig
+from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.offload import CpuPool
+from workers.engine.preemption import Swapper
 from workers.engine.sequence import Sequence, Status
 
 
-@dataclass
-class Batch:
-    """What one step computes: `num_tokens[i]` new tokens of `seqs[i]`."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-
-    def add(self, seq: Sequence, n: int) -> None:
-        self.seqs.append(seq)
-        self.num_tokens.append(n)
-
-
 class Scheduler:
-    """Owns the waiting queue and the running list, and every block a sequence holds."""
+    """Owns the waiting, running and swapped queues, and every block a sequence holds."""
 
-    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, cpu_pool: CpuPool | None = None) -> None:
         self.config = config
         self.pool = pool
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapper = Swapper(pool, cpu_pool)
         self.fork_blocks: dict[int, list[int]] = {}
-        self.cached_prefix_tokens = 0
+        self.cached_prefix_tokens = self.recomputes = 0
 
     @property
     def num_running_samples(self) -> int:
@@ -42,29 +38,94 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapper.swapped)
 
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
-        for seq in [s for s in self.running if s.num_uncomputed == 1]:
-            if budget and self._grow(seq, 1):
+        if not self._make_room(batch, budget):
+            self._restore(batch, budget)
+        while True:
+            for seq in self._decodes(budget):
+                assert self._grow(seq, 1), "room for every decode was made"
                 batch.add(seq, 1)
-                budget -= 1
-        for seq in [s for s in self.running if s.num_uncomputed > 1]:
-            budget -= self._schedule_prefill(batch, seq, budget)
-        while self.waiting and budget and self._fits(self.waiting[0]):
+            budget -= len(batch.seqs)
+            for seq in [s for s in self.running if s.num_uncomputed > 1]:
+                budget -= self._schedule_prefill(batch, seq, budget)
+            if not self.swapper.swapped:
+                budget -= self._admit(batch, budget)
+            if batch.seqs or not self.running:
+                return batch
+            self._preempt(self.running[-1], batch)
+
+    def _decodes(self, budget: int) -> list[Sequence]:
+        return [s for s in self.running if s.num_uncomputed == 1][:budget]
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
+
+    def _make_room(self, batch: Batch, budget: int) -> bool:
+        """Preempt the newest running sequences until every decode of this step gets its block."""
+        decodes = self._decodes(budget)
+        need = sum(self._blocks_needed(s, 1) for s in decodes)
+        preempted = False
+        while need > self.pool.num_available:
+            victim = self.running[-1]
+            if victim in decodes:
+                need -= self._blocks_needed(victim, 1)
+                decodes.remove(victim)
+            self._preempt(victim, batch)
+            preempted = True
+        return preempted
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        if self.swapper.offload(seq, batch):
+            return
+        self._reset(seq)
+
+    def _reset(self, seq: Sequence) -> None:
+        """Drop the KV of `seq`; it waits first in line and is recomputed (through the prefix cache)."""
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.recomputes += 1
+
+    def _restore(self, batch: Batch, budget: int) -> None:
+        """Bring offloaded sequences back, oldest first, while they fit beside this step's decodes."""
+        spare = self.pool.num_available - sum(self._blocks_needed(s, 1) for s in self._decodes(budget))
+        while self.swapper.swapped and self.num_running_samples < self.config.max_num_seqs:
+            seq = self.swapper.swapped[0]
+            plan = self.swapper.plan_restore(seq)
+            if plan is None:
+                self.swapper.drop(seq)
+                self._reset(seq)
+                continue
+            blocks, consumed = plan
+            consumed += -(-len(seq.token_ids) // self.block_size) - len(blocks)
+            if consumed > spare:
+                return
+            self.swapper.swapped.popleft()
+            self.swapper.restore(seq, blocks, batch)
+            self.running.append(seq)
+            spare -= consumed
+
+    def _admit(self, batch: Batch, budget: int) -> int:
+        """Start waiting sequences in order while budget, blocks and `max_num_seqs` allow."""
+        used = 0
+        while self.waiting and budget > used and self._fits(self.waiting[0]):
             seq = self.waiting[0]
             cached = self._match_prefix(seq)
-            used = self._schedule_prefill(batch, seq, budget)
-            if not used:
+            n = self._schedule_prefill(batch, seq, budget - used)
+            if not n:
                 self._release(seq)
                 break
-            budget -= used
+            used += n
             self.cached_prefix_tokens += cached
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
-        return batch
+        return used
 
     def _fits(self, seq: Sequence) -> bool:
         return self.num_running_samples + len(seq.sample_indices) <= self.config.max_num_seqs
@@ -82,18 +143,17 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int, extra: int = 0) -> bool:
         """Give `seq` blocks for `n` more tokens (plus `extra` for its fork), or nothing at all."""
-        total = seq.num_computed_tokens + n
-        need = -(-total // self.block_size) - len(seq.block_table)
-        if max(need, 0) + extra > self.pool.num_available:
+        need = self._blocks_needed(seq, n)
+        if need + extra > self.pool.num_available:
             return False
-        seq.block_table += self.pool.allocate(max(need, 0))
+        seq.block_table += self.pool.allocate(need)
         if extra:
             self.fork_blocks[id(seq)] = self.pool.allocate(extra)
         return True
 
     def _match_prefix(self, seq: Sequence) -> int:
-        """Share the cached complete blocks that start this prompt; at least one token stays to compute.
-        Returns the number of tokens served from the cache."""
+        """Share the cached complete blocks that start this sequence; at least one token stays to
+        compute. Returns the number of tokens served from the cache."""
         if not self.config.enable_prefix_caching:
             return 0
         bs, parent = self.block_size, 0
@@ -143,14 +203,20 @@ class Scheduler:
         return copies
 
     def finish(self, seq: Sequence) -> None:
-        """Free a finished or aborted sequence's blocks."""
-        seq.status = Status.FINISHED
+        """Free a finished or aborted sequence's blocks, wherever it is."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapper.swapped:
+            self.swapper.drop(seq)
+        seq.status = Status.FINISHED
         self._release(seq)
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished sequence: running, waiting and offloaded."""
+        return [*self.running, *self.waiting, *self.swapper.swapped]
 
     def block_tables(self) -> list[list[int]]:
         """Every block owner, for `BlockPool.check_integrity`."""
-        return [s.block_table for s in [*self.running, *self.waiting]] + list(self.fork_blocks.values())
+        return [s.block_table for s in self.sequences()] + list(self.fork_blocks.values())

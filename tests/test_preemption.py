@@ -1,0 +1,88 @@
+"""Memory pressure: outputs are identical whether requests were offloaded, recomputed or never preempted."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import SamplingParams
+from tests.conftest import make_engine, random_prompts, run
+
+BLOCK = 8
+BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
+GIB_PER_BLOCK = BYTES_PER_BLOCK / 2**30
+
+
+@pytest.fixture(scope="module")
+def workload(model_dir):
+    system = random_prompts(1, 512, (20, 20), seed=30)[0]
+    prompts = [system + q for q in random_prompts(3, 512, (3, 17), seed=31)]
+    params = [SamplingParams(n=8, temperature=0, max_new_tokens=40, ignore_eos=True),
+              SamplingParams(n=8, temperature=1.0, top_p=0.95, max_new_tokens=40, seed=7, ignore_eos=True),
+              SamplingParams(n=4, temperature=0.8, max_new_tokens=56, seed=8, ignore_eos=True)]
+    path = model_dir("qwen3")
+    roomy = run(make_engine(path, block_size=BLOCK, num_blocks=1024), prompts, params)
+    return path, prompts, params, roomy
+
+
+def tight_blocks(prompts, params) -> int:
+    """Barely more blocks than the longest single request needs (or its fork)."""
+    longest = max(-(-(len(p) + q.max_new_tokens - 1) // BLOCK) for p, q in zip(prompts, params))
+    at_fork = max(-(-len(p) // BLOCK) + q.n - 1 for p, q in zip(prompts, params))
+    return max(longest, at_fork) + 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cpu_blocks, expect", [
+    (4096, {"offloads", "restores"}),
+    (0, {"recomputes"}),
+    (6, {"offloads", "restores", "recomputes"}),
+], ids=["offload", "recompute", "both"])
+def test_outputs_identical_under_pressure(workload, cpu_blocks, expect):
+    path, prompts, params, roomy = workload
+    engine = make_engine(path, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
+                         max_batch_tokens=64, cpu_offload_gib=cpu_blocks * GIB_PER_BLOCK)
+    rows = run(engine, prompts, params)
+    stats = engine.stats()
+    for name in ("offloads", "restores", "recomputes"):
+        assert (stats[name] > 0) == (name in expect), f"{name}={stats[name]} in {stats}"
+    assert stats["cpu_blocks_used"] == 0, "the CPU pool is empty at the end"
+    assert rows.keys() == roomy.keys()
+    for key, want in roomy.items():
+        assert rows[key]["token_ids"] == want["token_ids"], f"sample {key}"
+        assert rows[key]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert sum(r["num_preemptions"] for r in rows.values()) >= stats["offloads"]
+    assert all(r["num_preemptions"] == 0 for r in roomy.values())
+
+
+@pytest.mark.timeout(120)
+def test_everyone_grows_at_once_no_livelock(model_dir):
+    prompts = random_prompts(12, 512, (BLOCK, BLOCK), seed=32)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=3 * BLOCK, ignore_eos=True)
+    engine = make_engine(model_dir("qwen3"), block_size=BLOCK, num_blocks=8, max_batch_tokens=128,
+                         cpu_offload_gib=16 * GIB_PER_BLOCK)
+    rows = run(engine, prompts, params)
+    assert len(rows) == 24 and all(len(r["token_ids"]) == 3 * BLOCK for r in rows.values())
+    assert engine.stats()["offloads"] > 0
+
+
+def test_cpu_pool_is_capped_with_a_warning(model_dir):
+    with pytest.warns(UserWarning, match="capped"):
+        engine = make_engine(model_dir("qwen3"), cpu_offload_gib=1e6)
+    assert engine.cpu_pool.num_blocks > 0
+
+
+def test_abort_of_offloaded_request_frees_cpu_blocks(workload):
+    path, prompts, params, _ = workload
+    engine = make_engine(path, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
+                         max_batch_tokens=64, cpu_offload_gib=4096 * GIB_PER_BLOCK)
+    ids = [engine.add_request(p, q, prompt_index=i) for i, (p, q) in enumerate(zip(prompts, params))]
+    while not engine.scheduler.swapper.swapped:
+        engine.step()
+        engine.check_integrity()
+    victim = engine.scheduler.swapper.swapped[0].group.request_id
+    engine.abort(victim)
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert engine.stats()["cpu_blocks_used"] == 0 and victim in ids

@@ -1,0 +1,76 @@
+"""Paged attention with Triton kernels: GPU without compiled dependencies (CPU under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.attention.triton_kernels import LaunchConfig, paged_attention, store_kv
+
+MAX_SPLITS = 16
+MIN_SPLIT_TOKENS = 256
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
+                      num_sms: int) -> int:
+    """KV segments per (sequence, KV head) for a step: >1 only for decode steps too small to fill
+    the GPU (fewer than two programs per SM) over contexts of at least 2 x MIN_SPLIT_TOKENS."""
+    programs = num_seqs * num_kv_heads
+    if max_seqlen_q != 1 or programs == 0 or programs >= 2 * num_sms:
+        return 1
+    wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+    by_length = max(1, max_seqlen_k // MIN_SPLIT_TOKENS)
+    limit = min(MAX_SPLITS, 1 << (by_length.bit_length() - 1))
+    splits = min(wanted, limit)
+    return splits if splits > 1 else 1
+
+
+def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, decode_only: bool,
+                  num_splits: int) -> LaunchConfig:
+    """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'."""
+    group = num_heads // num_kv_heads
+    if decode_only:
+        block_m, block_q = max(16, triton.next_power_of_2(group)), 1
+    else:
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q = block_m // group
+    tile_n = 64 if head_dim <= 128 else 32
+    return LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, num_splits=num_splits)
+
+
+class TritonBackend(AttentionBackend):
+    """Stores K/V and attends with the Triton kernels of `triton_kernels`.
+
+    `num_kv_splits` forces the split-KV path (N > 1) or the single-pass path (1) for every step;
+    None chooses per step in `prepare_metadata` with `choose_num_splits`. Both paths read lengths
+    from tensors only, so a captured CUDA graph replays correctly whichever path it baked in.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, num_kv_splits: int | None = None) -> None:
+        super().__init__(kv_cache)
+        if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
+            raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
+        self.num_kv_splits = num_kv_splits
+        self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
+                        if kv_cache.is_cuda else 1)
+        self.num_splits = 1
+        self.decode_only = False
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> None:
+        """Take the step's metadata and choose the decode tiles and the KV split count."""
+        super().prepare_metadata(meta)
+        self.decode_only = meta.max_seqlen_q == 1
+        self.num_splits = self.num_kv_splits or choose_num_splits(
+            meta.seq_lens.shape[0], self.kv_cache.shape[4], meta.max_seqlen_q, meta.max_seqlen_k,
+            self.num_sms)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
+        meta = self.meta
+        k_cache, v_cache = self.kv_cache[layer]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        config = launch_config(q.shape[1], k.shape[1], q.shape[2], self.decode_only, self.num_splits)
+        return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                               meta.cu_seqlens_q, scale, sliding_window, softcap, config)

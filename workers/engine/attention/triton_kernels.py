@@ -1,0 +1,248 @@
+"""Triton kernels for the paged KV cache: store K/V by slot, and paged attention over mixed batches.
+
+One attention kernel serves prefill chunks and decodes alike. A program owns one tile of
+`BLOCK_Q` query tokens of one sequence and one KV head; the `G = Hq / Hkv` query heads sharing that
+KV head are packed with the tokens into the `BLOCK_M` rows of the tile, so even a decode (one token)
+feeds `tl.dot` with `G` rows. Programs map to (sequence, tile) by a binary search over
+`cu_seqlens_q`, so every launch grid follows from tensor shapes and compile-time constants only
+(CUDA-graph safe). With `num_splits > 1` each program covers one segment of the keys and writes a
+partial result (unnormalised accumulator, running max, running sum); a second kernel merges them.
+Scores, softmax statistics and accumulators are float32 whatever the input dtype (fp32/fp16/bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape of one attention launch: rows per tile, query tokens per tile, keys per step."""
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_splits: int = 1
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst = dst + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_start(cu_q_ptr, seq, BLOCK_Q: tl.constexpr):
+    """Global index of the first query tile of `seq`: tiles of consecutive sequences never overlap."""
+    return (tl.load(cu_q_ptr + seq) + seq * (BLOCK_Q - 1)) // BLOCK_Q
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile is at or before program `pid` (binary search)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _tile_start(cu_q_ptr, mid, BLOCK_Q) <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr, stride_cb,
+            stride_cs, dims, dim_ok, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+            USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the tile's queries over key positions [lo, hi); returns (acc, max, sum)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for start in range(lo, hi, TILE_N):
+        k_pos = start + tl.arange(0, TILE_N)
+        k_ok = k_pos < hi
+        block = tl.load(bt_row_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        offs = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if USE_SOFTCAP:
+            s = _tanh(s / softcap) * softcap
+        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s * 1.4426950408889634, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _key_range(seq_len, q_len, tile, window, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+               USE_WINDOW: tl.constexpr):
+    """Keys any query of the tile may see: [lo, hi), lo aligned down to TILE_N."""
+    first_q_pos = seq_len - q_len + tile * BLOCK_Q
+    hi = seq_len - q_len + tl.minimum((tile + 1) * BLOCK_Q, q_len)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q_pos - window + 1, 0)
+    return lo // TILE_N * TILE_N, hi
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
+        part_acc_ptr, part_stats_ptr, scale, softcap, window, num_seqs, stride_qt, stride_qh,
+        stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_q_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    tile = pid - _tile_start(cu_q_ptr, seq, BLOCK_Q)
+    if tile * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + rows // G
+    head = kv_head * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (q_idx < q_len)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)
+    lo, hi = _key_range(seq_len, q_len, tile, window, BLOCK_Q, TILE_N, USE_WINDOW)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), NUM_SPLITS) * TILE_N
+    lo = lo + tl.program_id(2) * per_split
+    hi = tl.minimum(hi, lo + per_split)
+    acc, m_i, l_i = _attend(
+        q, seq_len - q_len + q_idx, lo, hi, window, scale, softcap,
+        k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
+        block_table_ptr + seq.to(tl.int64) * stride_bt, stride_cb, stride_cs, dims, dim_ok,
+        BLOCK_M, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, PRECISION)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        part = (token * (tl.num_programs(1) * G) + head) * NUM_SPLITS + tl.program_id(2)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
+        tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, cu_q_ptr, num_seqs, stride_ot,
+                         stride_oh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(cu_q_ptr + num_seqs):
+        return
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    m = tl.load(part_stats_ptr + part * 2)
+    l_s = tl.load(part_stats_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :],
+                  other=0.0)
+    num = tl.sum(acc * weight[:, None], 0)
+    den = tl.sum(l_s * weight, 0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v `[T, Hkv, D]` into caches `[num_blocks, block_size, Hkv, D]`; slots < 0 skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    scale: float, sliding_window: int | None, softcap: float | None,
+                    config: LaunchConfig) -> torch.Tensor:
+    """Causal attention of packed queries `[T, Hq, D]` over each sequence's cached blocks."""
+    q = _last_dim_contiguous(q)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
+    out = q.new_empty(q.shape)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    splits = config.num_splits
+    part_acc = part_stats = out
+    if splits > 1:
+        part_acc = q.new_empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32)
+        part_stats = q.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
+    grid = ((num_tokens + num_seqs * (config.block_q - 1)) // config.block_q, num_kv_heads, splits)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, part_acc, part_stats,
+        scale, softcap or 0.0, sliding_window or 0, num_seqs, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0), G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
+        TILE_N=config.tile_n, NUM_SPLITS=splits, USE_WINDOW=bool(sliding_window),
+        USE_SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_stats, cu_seqlens_q, num_seqs, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad, NUM_SPLITS=splits)
+    return out
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

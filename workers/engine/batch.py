@@ -1,0 +1,22 @@
+"""What one step computes and copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.sequence import Sequence
+
+
+@dataclass
+class Batch:
+    """`num_tokens[i]` new tokens of `seqs[i]`, after copying device blocks out to the CPU pool
+    (`swap_out`: (device, cpu) pairs) and then back in (`swap_in`: (cpu, device) pairs)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)

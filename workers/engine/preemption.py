@@ -1,0 +1,84 @@
+"""Preempted requests: offload their KV to the CPU pool and restore it, or drop it for recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from workers.engine.block_pool import BlockPool
+from workers.engine.offload import CpuPool
+from workers.engine.batch import Batch
+from workers.engine.sequence import Sequence, Status
+
+
+class Swapper:
+    """Moves decoding sequences between the device blocks and the CPU pool.
+
+    A sequence's exclusive blocks (and any it shares that the prefix cache could not find again) are
+    copied out; blocks it shares through the prefix cache are only released and found again by hash
+    on restore, where copied complete blocks are also matched by hash so identical KV is kept once.
+    """
+
+    def __init__(self, pool: BlockPool, cpu_pool: CpuPool | None) -> None:
+        self.pool = pool
+        self.cpu_pool = cpu_pool
+        self.swapped: deque[Sequence] = deque()
+        self.cpu_blocks: dict[int, list[int]] = {}
+        self.offloads = self.restores = 0
+
+    def offload(self, seq: Sequence, batch: Batch) -> bool:
+        """Copy `seq` to the CPU pool and free its device blocks; False when it can't go there."""
+        if self.cpu_pool is None or not seq.is_forked or seq.num_uncomputed != 1:
+            return False
+        copy = [self.pool.ref_counts[b] == 1 or self.pool.hashes[b] is None for b in seq.block_table]
+        if sum(copy) > self.cpu_pool.num_free:
+            return False
+        cpu = iter(self.cpu_pool.allocate(sum(copy)))
+        slots = [next(cpu) if c else -1 for c in copy]
+        batch.swap_out += [(b, c) for b, c in zip(seq.block_table, slots) if c >= 0]
+        self.pool.release(reversed(seq.block_table))
+        seq.block_table = []
+        self.cpu_blocks[id(seq)] = slots
+        self.swapped.append(seq)
+        self.offloads += 1
+        return True
+
+    def plan_restore(self, seq: Sequence) -> tuple[list[int | None], int] | None:
+        """Per block: the device block to share (or None to copy in); and device blocks it consumes.
+        None when a block that was not copied is gone from the device."""
+        plan, consumed = [], 0
+        for i, slot in enumerate(self.cpu_blocks[id(seq)]):
+            found = self._find(seq, i)
+            if found is None and slot < 0:
+                return None
+            plan.append(found)
+            consumed += found is None or self.pool.ref_counts[found] == 0
+        return plan, consumed
+
+    def _find(self, seq: Sequence, i: int) -> int | None:
+        if i >= len(seq.block_hashes):
+            return None
+        bs = self.pool.block_size
+        return self.pool.lookup(seq.block_hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+
+    def restore(self, seq: Sequence, plan: list[int | None], batch: Batch) -> None:
+        """Bring `seq` back onto the device following `plan`. Its CPU blocks are free again at once:
+        nothing is offloaded in a step that restores, so no swap-out can overwrite them first."""
+        slots = self.cpu_blocks.pop(id(seq))
+        bs = self.pool.block_size
+        for i, (found, slot) in enumerate(zip(plan, slots)):
+            if found is None:
+                found = self.pool.allocate(1)[0]
+                batch.swap_in.append((slot, found))
+                if i < len(seq.block_hashes):
+                    self.pool.register(found, seq.block_hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+            else:
+                self.pool.share(found)
+            seq.block_table.append(found)
+        self.cpu_pool.release([s for s in slots if s >= 0])
+        seq.status = Status.RUNNING
+        self.restores += 1
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget an offloaded copy (its sequence will be recomputed, or was aborted)."""
+        self.cpu_pool.release([s for s in self.cpu_blocks.pop(id(seq)) if s >= 0])
+        self.swapped.remove(seq)
