@@ -13,7 +13,11 @@ from rollout import SamplingParams
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny_models import build_tiny_model
 
-ARCH_OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24}}
+ARCH_OVERRIDES = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24},
+    "gemma2": {"sliding_window": 16, "attn_logit_softcapping": 2.0, "final_logit_softcapping": None,
+               "query_pre_attn_scalar": 24},
+}
 
 
 @pytest.fixture(scope="session")

@@ -142,12 +142,11 @@ class Engine:
         rows = sampling_rows(seqs)
         if not rows:
             return []
-        batch = build_sampling_batch(rows, logits.device)
-        tokens, logprobs = sample(logits[[r.logits_row for r in rows]], batch)
-        children = self._fork(seqs)
+        if len(rows) > len(seqs):
+            logits = logits[[r.logits_row for r in rows]]
+        tokens, logprobs = sample(logits, build_sampling_batch(rows, logits.device))
         finished = []
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
-            seq = children[(id(row.seq), row.sample_index)]
+        for seq, token, logprob in zip(self._fork(seqs), tokens.tolist(), logprobs.tolist()):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             reason = self._stop_reason(seq, token)
@@ -156,17 +155,20 @@ class Engine:
                 finished.append(self._row(seq, seq.sample_indices[0], reason))
         return finished
 
-    def _fork(self, seqs: list[Sequence]) -> dict[tuple[int, int], Sequence]:
-        """Split every unforked sequence into one sequence per sample index."""
-        out, copies = {}, []
+    def _fork(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Split every unforked sequence into one sequence per sample index; returns the sequences
+        in the order of their sampling rows."""
+        out, copies = [], []
         for seq in seqs:
+            out.append(seq)
+            if seq.is_forked:
+                continue
             first, *rest = seq.sample_indices
             children = [seq.fork(i) for i in rest]
             copies += self.scheduler.fork(seq, children)
             seq.sample_indices = [first]
             self.counters["forks"] += len(children)
-            out[(id(seq), first)] = seq
-            out.update(((id(seq), c.sample_indices[0]), c) for c in children)
+            out += children
         self.runner.copy_blocks(copies)
         return out
 
@@ -227,7 +229,7 @@ class Engine:
 
 def _token_kind(seq: Sequence) -> str:
     """Which counter a computed token goes to: prompt prefill, decode, or recompute after preemption."""
-    if seq.num_uncomputed == 1:
+    if seq.num_uncomputed == 1 and seq.num_generated > 0:
         return "decode_tokens"
     return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"
 

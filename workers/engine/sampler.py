@@ -53,8 +53,9 @@ class SamplingBatch:
 
 def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Logits after temperature, top-k, top-p and min-p (in that order); removed tokens are -inf."""
-    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-    x = logits / temp[:, None]
+    x = logits
+    if bool(((b.temperature != 1) & (b.temperature != 0)).any()):
+        x = x / torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))[:, None]
     vocab = x.shape[-1]
     if bool((b.top_k > 0).any()):
         k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
@@ -78,18 +79,33 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.
     if bool(greedy.all()):
         tokens = logits.argmax(dim=-1)
         return tokens, _raw_logprobs(logits, tokens)
-    x = filtered_logits(logits, b)
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    cdf = torch.exp(x - lse).cumsum(dim=-1)
-    target = (b.uniform[:, None] * cdf[:, -1:].double()).float()
-    tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+    probs = torch.softmax(filtered_logits(logits, b), dim=-1)
+    tokens = inverse_cdf(probs, b.uniform)
     if bool(greedy.any()):
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    chosen = (x.gather(1, tokens[:, None]) - lse)[:, 0]
+    chosen = probs.gather(1, tokens[:, None])[:, 0].log()
     use_raw = b.raw_logprobs | greedy
     if bool(use_raw.any()):
         chosen = torch.where(use_raw, _raw_logprobs(logits, tokens), chosen)
     return tokens, chosen
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, width: int = 64) -> torch.Tensor:
+    """The token where each row's CDF first exceeds `uniform` times its total mass.
+
+    Two levels instead of one cumsum over the vocabulary: pick the chunk of `width` tokens from the
+    chunk sums, then the token inside it, so only one full pass reads the probabilities.
+    """
+    rows, vocab = probs.shape
+    chunks = torch.nn.functional.pad(probs, (0, -vocab % width)).view(rows, -1, width)
+    chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)
+    target = uniform[:, None] * chunk_cdf[:, -1:]
+    j = torch.searchsorted(chunk_cdf, target, right=True).clamp(max=chunk_cdf.shape[1] - 1)
+    before = torch.where(j > 0, chunk_cdf.gather(1, (j - 1).clamp(min=0)), torch.zeros_like(target))
+    frac = ((target - before) / (chunk_cdf.gather(1, j) - before)).clamp(0, 1 - 2**-40)
+    inner = chunks[torch.arange(rows, device=probs.device), j[:, 0]].double().cumsum(dim=-1)
+    k = torch.searchsorted(inner, frac * inner[:, -1:], right=True).clamp(max=width - 1)
+    return (j * width + k)[:, 0]
 
 
 def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

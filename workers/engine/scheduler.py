@@ -47,7 +47,7 @@ class Scheduler:
             self._restore(batch, budget)
         while True:
             for seq in self._decodes(budget):
-                assert self._grow(seq, 1), "room for every decode was made"
+                seq.block_table += self.pool.allocate(self._blocks_needed(seq, 1))
                 batch.add(seq, 1)
             budget -= len(batch.seqs)
             for seq in [s for s in self.running if s.num_uncomputed > 1]:

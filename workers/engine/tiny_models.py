@@ -17,6 +17,7 @@ ARCHS = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "mistral": transformers.MistralConfig,
+    "gemma2": transformers.Gemma2Config,
 }
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"

@@ -31,7 +31,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: float | None = None, sliding_window: int | None = None,
                             softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend."""
-    unsupported = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS)
+    unsupported = sorted(k for k, v in kwargs.items()
+                         if v is not None and v is not False and k not in _IGNORED_KWARGS)
     if unsupported:
         raise NotImplementedError(f"paged attention does not support the arguments {unsupported}")
     if query.shape[0] != 1:
