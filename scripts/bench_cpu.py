@@ -3,7 +3,10 @@
 Workload "cpu-rollout": a tiny random Qwen3-shaped model (hidden 256, 4 layers, 8 heads, 2 KV heads,
 vocab 4096), 32 prompts of 32-160 tokens, n = 8, 128 new tokens, eos ignored, temperature 1.
 Also reports the engine's own overhead per decode step with 256 running sequences and the model
-forward replaced by a stub. Usage: python scripts/bench_cpu.py [--prompts 32] [--skip-hf]
+forward replaced by a stub, and the "pressure" workload: 8 prompts, n = 8, 512 new tokens, eos
+ignored, with the KV cache at ~25% of what the workload needs, run with CPU offload, with
+recompute only, and with a roomy cache.
+Usage: python scripts/bench_cpu.py [--prompts 32] [--skip-hf] [--skip-pressure]
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_config(path: str, **overrides) -> EngineConfig:
-    return EngineConfig(model=path, block_size=16, num_blocks=6000, max_batch_tokens=2048, max_num_seqs=256,
-                        **overrides)
+    defaults = dict(block_size=16, num_blocks=6000, max_batch_tokens=2048, max_num_seqs=256)
+    return EngineConfig(model=path, **{**defaults, **overrides})
 
 
 def bench_engine(path: str, prompts, n: int, new: int) -> float:
@@ -72,6 +75,23 @@ def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def bench_pressure(path: str, new: int = 512) -> list[tuple[str, float, dict]]:
+    """(label, tokens/s, stats) for offload, recompute-only and a roomy cache on the same requests."""
+    prompts = make_prompts(8, seed=1)
+    params = SamplingParams(n=8, max_new_tokens=new, ignore_eos=True, seed=0)
+    need = sum(8 * -(-(len(p) + new) // 16) for p in prompts)
+    per_block = 4 * 2 * 16 * 2 * 32 * 4
+    runs = [("offload (cache 25%)", need // 4, need * per_block / 2**30),
+            ("recompute only (cache 25%)", need // 4, 0.0), ("roomy cache", need + 64, 0.0)]
+    out = []
+    for label, blocks, gib in runs:
+        engine = Engine(engine_config(path, num_blocks=blocks, cpu_offload_gib=gib))
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        out.append((label, len(prompts) * 8 * new / (time.perf_counter() - start), engine.stats()))
+    return out
+
+
 def bench_step_overhead(path: str, seqs: int = 256, steps: int = 50) -> float:
     """Milliseconds per decode step spent outside the model, with `seqs` sequences decoding."""
     engine = Engine(engine_config(path))
@@ -93,6 +113,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample (default 128)")
     parser.add_argument("--skip-hf", action="store_true", help="time only this engine")
+    parser.add_argument("--skip-pressure", action="store_true", help="skip the memory-pressure workload")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,6 +125,7 @@ def main() -> None:
                 path, prompts, args.n, args.new_tokens)
             results["transformers generate_batch"] = bench_generate_batch(path, prompts, args.n, args.new_tokens)
         overhead = bench_step_overhead(path)
+        pressure = [] if args.skip_pressure else bench_pressure(path)
     print(f"\ncpu-rollout: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads")
     print(f"{'system':<56}{'tokens/s':>10}{'vs generate':>13}")
@@ -112,6 +134,11 @@ def main() -> None:
         ratio = f"{tps / base:.2f}x" if base else "-"
         print(f"{name:<56}{tps:>10.0f}{ratio:>13}")
     print(f"engine overhead per decode step, 256 sequences, stub model: {overhead:.2f} ms")
+    if pressure:
+        print("\npressure: 8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need")
+        print(f"{'cache':<30}{'tokens/s':>10}{'offloads':>10}{'restores':>10}{'recomputes':>12}")
+        for label, tps, st in pressure:
+            print(f"{label:<30}{tps:>10.0f}{st['offloads']:>10}{st['restores']:>10}{st['recomputes']:>12}")
 
 
 if __name__ == "__main__":

@@ -43,13 +43,14 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
-        if not self._make_room(batch, budget):
-            self._restore(batch, budget)
+        decodes = [s for s in self.running if s.num_uncomputed == 1][:budget]
+        if not self._make_room(batch, decodes):
+            decodes += self._restore(batch, decodes)[: budget - len(decodes)]
+        for seq in decodes:
+            seq.block_table += self.pool.allocate(self._blocks_needed(seq, 1))
+            batch.add(seq, 1)
+        budget -= len(decodes)
         while True:
-            for seq in self._decodes(budget):
-                seq.block_table += self.pool.allocate(self._blocks_needed(seq, 1))
-                batch.add(seq, 1)
-            budget -= len(batch.seqs)
             for seq in [s for s in self.running if s.num_uncomputed > 1]:
                 budget -= self._schedule_prefill(batch, seq, budget)
             if not self.swapper.swapped:
@@ -58,15 +59,12 @@ class Scheduler:
                 return batch
             self._preempt(self.running[-1], batch)
 
-    def _decodes(self, budget: int) -> list[Sequence]:
-        return [s for s in self.running if s.num_uncomputed == 1][:budget]
-
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
 
-    def _make_room(self, batch: Batch, budget: int) -> bool:
-        """Preempt the newest running sequences until every decode of this step gets its block."""
-        decodes = self._decodes(budget)
+    def _make_room(self, batch: Batch, decodes: list[Sequence]) -> bool:
+        """Preempt the newest running sequences until every decode of this step gets its block;
+        victims leave `decodes`. True when anything was preempted."""
         need = sum(self._blocks_needed(s, 1) for s in decodes)
         preempted = False
         while need > self.pool.num_available:
@@ -92,9 +90,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.recomputes += 1
 
-    def _restore(self, batch: Batch, budget: int) -> None:
+    def _restore(self, batch: Batch, decodes: list[Sequence]) -> list[Sequence]:
         """Bring offloaded sequences back, oldest first, while they fit beside this step's decodes."""
-        spare = self.pool.num_available - sum(self._blocks_needed(s, 1) for s in self._decodes(budget))
+        spare = self.pool.num_available - sum(self._blocks_needed(s, 1) for s in decodes)
+        restored = []
         while self.swapper.swapped and self.num_running_samples < self.config.max_num_seqs:
             seq = self.swapper.swapped[0]
             plan = self.swapper.plan_restore(seq)
@@ -105,11 +104,13 @@ class Scheduler:
             blocks, consumed = plan
             consumed += -(-len(seq.token_ids) // self.block_size) - len(blocks)
             if consumed > spare:
-                return
+                break
             self.swapper.swapped.popleft()
             self.swapper.restore(seq, blocks, batch)
-            self.running.append(seq)
+            restored.append(seq)
             spare -= consumed
+        self.running += restored
+        return restored
 
     def _admit(self, batch: Batch, budget: int) -> int:
         """Start waiting sequences in order while budget, blocks and `max_num_seqs` allow."""
