@@ -4,14 +4,19 @@ block accounting after every step."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 import transformers
 
-from rollout import SamplingParams
-from workers.engine import Engine, EngineConfig
-from workers.engine.tiny_models import build_tiny_model
+# Triton kernels run in its interpreter on a machine without CUDA; set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rollout import SamplingParams  # noqa: E402
+from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
 ARCH_OVERRIDES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24},

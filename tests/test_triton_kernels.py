@@ -1,17 +1,24 @@
-"""Triton paged-attention kernels against the torch reference, on CPU under TRITON_INTERPRET=1."""
+"""Triton paged-attention kernels against the torch reference.
+
+Without a GPU (CI) the kernels run on CPU in Triton's interpreter (TRITON_INTERPRET=1, set here),
+in float32 and float16. With CUDA they are compiled and run on the GPU, bfloat16 included.
+"""
 
 from __future__ import annotations
 
 import importlib
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from workers.engine.attention import triton_kernels  # noqa: E402
@@ -22,10 +29,15 @@ from workers.engine.attention.triton_backend import (  # noqa: E402
     choose_num_splits,
 )
 
-if not isinstance(triton_kernels._paged_attention_kernel, InterpretedFunction):
-    importlib.reload(triton_kernels)  # imported before TRITON_INTERPRET was set: re-decorate
+if not ON_GPU and not isinstance(tl.sum, InterpretedFunction):
+    # Triton was imported (by torch._dynamo, through conftest) before TRITON_INTERPRET was set:
+    # re-decorate triton.language's own jit functions and our kernels for the interpreter.
+    importlib.reload(tl.standard)
+    importlib.reload(tl)
+    importlib.reload(triton_kernels)
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3}
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int, pad_tokens: int,
@@ -36,45 +48,51 @@ def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int
     width = max(1, max(len(t) for t in tables))
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = []
-    for (q_len, kv_len), table in zip(pairs, tables):
+    for (q_len, kv_len), table in zip(pairs, tables, strict=True):
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(kv_len - q_len, kv_len)]
     q_lens = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
-        cu_seqlens_q=torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32),
-        seq_lens=torch.tensor([k for _, k in pairs], dtype=torch.int32),
-        block_table=block_table, max_seqlen_q=int(q_lens.max()),
+        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64, device=DEVICE),
+        cu_seqlens_q=torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(DEVICE, torch.int32),
+        seq_lens=torch.tensor([k for _, k in pairs], dtype=torch.int32, device=DEVICE),
+        block_table=block_table.to(DEVICE), max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=max(k for _, k in pairs))
 
 
 def run_both(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
              dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None,
-             pad_tokens: int = 0) -> None:
-    """One layer through TorchBackend and TritonBackend on equal caches; compare output and cache."""
+             pad_tokens: int = 0, num_sms: int | None = None) -> None:
+    """One layer through the torch reference (in float32, from the same rounded inputs) and
+    TritonBackend (in `dtype`); compare outputs and caches. `num_sms` pretends a GPU size."""
     gen = torch.Generator().manual_seed(sum(q + k for q, k in pairs) + head_dim + block_size)
     num_heads, num_kv_heads = heads
     num_blocks = sum(-(-k // block_size) for _, k in pairs) + 3
     meta = make_metadata(pairs, block_size, num_blocks, pad_tokens, gen)
     num_tokens = meta.slot_mapping.shape[0]
     cache = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2
-    k, v = torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=gen)
-    cache, q, k, v = (x.to(dtype) for x in (cache, q, k, v))
-    reference, triton_backend = TorchBackend(cache.clone()), TritonBackend(cache.clone(), splits)
+    q = torch.randn(num_heads, num_tokens, head_dim, generator=gen) * 2
+    k, v = torch.randn(2, num_kv_heads, num_tokens, head_dim, generator=gen)
+    # [H, T, D] transposed to [T, H, D], as a model's attention hands them over (non-contiguous)
+    cache, q, k, v = (x.to(DEVICE, dtype) for x in (cache, q.transpose(0, 1), k.transpose(0, 1),
+                                                     v.transpose(0, 1)))
+    reference, triton_backend = TorchBackend(cache.float()), TritonBackend(cache.clone(), splits)
+    triton_backend.num_sms = num_sms or triton_backend.num_sms
     outputs = []
-    for backend in (reference, triton_backend):
+    for backend, dt in ((reference, torch.float32), (triton_backend, dtype)):
         backend.prepare_metadata(meta)
-        outputs.append(backend.forward(1, q, k, v, head_dim ** -0.5, window, softcap))
+        outputs.append(backend.forward(1, q.to(dt), k.to(dt), v.to(dt), head_dim ** -0.5, window,
+                                       softcap).float())
     valid = int(meta.cu_seqlens_q[-1])
     torch.testing.assert_close(outputs[1][:valid], outputs[0][:valid], atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
-    assert torch.equal(triton_backend.kv_cache, reference.kv_cache)
+    assert torch.equal(triton_backend.kv_cache.float(), reference.kv_cache)
     if splits is None:
         assert triton_backend.num_splits > 1
 
 
 MIXED = [(1, 1328), (5, 18), (129, 463), (1, 1), (7, 7), (0, 0), (1, 70)]
+DECODES = [(1, 1328), (1, 18), (1, 463), (1, 1), (0, 0)]
 
 
 @pytest.mark.parametrize(
@@ -86,6 +104,12 @@ MIXED = [(1, 1328), (5, 18), (129, 463), (1, 1), (7, 7), (0, 0), (1, 70)]
         (torch.float16, (4, 4), 128, 16, 100, 5.0, 2),
         (torch.float32, (8, 2), 64, 256, 100, 5.0, 4),
         (torch.float16, (5, 1), 64, 256, None, None, 1),
+        (torch.float16, (8, 2), 64, 16, None, 5.0, 1),
+        (torch.float32, (5, 1), 64, 16, 100, None, 2),
+        (torch.float32, (4, 4), 128, 256, None, 5.0, 4),
+        (torch.float16, (5, 1), 128, 16, 100, 5.0, 1),
+        (torch.float16, (4, 4), 64, 256, 100, None, 4),
+        (torch.float32, (8, 2), 128, 16, None, None, 2),
     ])
 def test_mixed_batch_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
                                        block_size: int, window: int | None, softcap: float | None,
@@ -100,29 +124,30 @@ def test_mixed_batch_matches_reference(dtype: torch.dtype, heads: tuple[int, int
         (torch.float16, (8, 2), 64, 16, None, 5.0),
         (torch.float32, (5, 1), 128, 256, 300, None),
         (torch.float16, (4, 4), 64, 16, 100, None),
+        (torch.float32, (4, 4), 128, 16, None, None),
+        (torch.float16, (5, 1), 64, 256, 100, 5.0),
+        (torch.float32, (8, 2), 128, 256, None, None),
     ])
 @pytest.mark.parametrize("splits", [1, 8])
 def test_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
                                   block_size: int, window: int | None, softcap: float | None,
                                   splits: int) -> None:
-    """A decode-only step (one-token tiles), single-pass and split-KV."""
-    pairs = [(1, 1328), (1, 18), (1, 463), (1, 1)]
-    run_both(pairs, heads, head_dim, block_size, dtype, window, softcap, splits, pad_tokens=2)
+    """A decode-only step (one-token tiles) with a padding sequence, single-pass and split-KV."""
+    run_both(DECODES, heads, head_dim, block_size, dtype, window, softcap, splits, pad_tokens=2)
 
 
-def test_split_path_chosen_in_prepare_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_path_chosen_in_prepare_metadata() -> None:
     """With few decodes over a long context the heuristic splits the keys, and still matches."""
-    monkeypatch.setattr(TritonBackend, "__init__", _init_with_sms(132))
-    run_both([(1, 1328), (1, 700)], (8, 2), 64, 16, torch.float32, None, None, None)
+    run_both([(1, 1328), (1, 700)], (8, 2), 64, 16, torch.float32, None, None, None, num_sms=132)
 
 
-def _init_with_sms(num_sms: int):
-    original = TritonBackend.__init__
-
-    def init(self: TritonBackend, kv_cache: torch.Tensor, num_kv_splits: int | None = None) -> None:
-        original(self, kv_cache, num_kv_splits)
-        self.num_sms = num_sms
-    return init
+@pytest.mark.skipif(not ON_GPU, reason="Triton's interpreter mishandles bfloat16")
+@pytest.mark.parametrize("pairs", [MIXED, DECODES])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_bfloat16_on_gpu(pairs: list[tuple[int, int]], splits: int) -> None:
+    """The compiled kernels in bfloat16 (GPU only), with window and softcap on and off."""
+    run_both(pairs, (8, 2), 128, 16, torch.bfloat16, None, None, splits, pad_tokens=3)
+    run_both(pairs, (5, 1), 64, 256, torch.bfloat16, 100, 5.0, splits, pad_tokens=3)
 
 
 def test_choose_num_splits() -> None:
@@ -139,9 +164,9 @@ def test_choose_num_splits() -> None:
 def test_store_kv_skips_padding_slots(dtype: torch.dtype) -> None:
     """The store kernel writes exactly what the torch reference writes, skipping slots < 0."""
     gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, 6, 16, 3, 80, generator=gen).to(dtype)
-    k, v = torch.randn(2, 9, 3, 80, generator=gen).to(dtype)
-    slots = torch.tensor([5, -1, 17, 18, 95, -1, 0, 40, -1], dtype=torch.int64)
+    cache = torch.randn(2, 6, 16, 3, 80, generator=gen).to(DEVICE, dtype)
+    k, v = torch.randn(2, 9, 3, 80, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([5, -1, 17, 18, 95, -1, 0, 40, -1], dtype=torch.int64, device=DEVICE)
     expected = cache.clone()
     store_kvcache(k, v, expected[0], expected[1], slots)
     triton_kernels.store_kv(k, v, cache[0], cache[1], slots)

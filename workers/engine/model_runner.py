@@ -9,7 +9,7 @@ import transformers
 
 from rollout.config import EngineConfig
 from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
-from workers.engine.attention.torch_backend import TorchBackend
+from workers.engine.attention.selector import create_backend
 from workers.engine.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +40,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(hf.num_hidden_layers, 2, config.num_blocks, config.block_size,
                                     hf.num_key_value_heads, head_dim, dtype=DTYPES[config.dtype],
                                     device=self.device)
-        self.backend = TorchBackend(self.kv_cache)
+        self.backend = create_backend(config.attention_backend, self.kv_cache)
         self.block_size = config.block_size
         self._warmup()
 

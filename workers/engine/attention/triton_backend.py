@@ -43,8 +43,9 @@ class TritonBackend(AttentionBackend):
     """Stores K/V and attends with the Triton kernels of `triton_kernels`.
 
     `num_kv_splits` forces the split-KV path (N > 1) or the single-pass path (1) for every step;
-    None chooses per step in `prepare_metadata` with `choose_num_splits`. Both paths read lengths
-    from tensors only, so a captured CUDA graph replays correctly whichever path it baked in.
+    None chooses per step in `prepare_metadata` with `choose_num_splits`. Host metadata
+    (`max_seqlen_q == 1`, `max_seqlen_k`) only picks the tile shape and the split count; every
+    launch reads lengths from tensors, so a captured CUDA graph replays correctly for any lengths.
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_kv_splits: int | None = None) -> None:
@@ -52,6 +53,7 @@ class TritonBackend(AttentionBackend):
         if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
             raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
+        # on CPU (the interpreter, tests) there is nothing to fill: the heuristic never splits
         self.num_sms = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
                         if kv_cache.is_cuda else 1)
         self.num_splits = 1

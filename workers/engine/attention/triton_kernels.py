@@ -18,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile shape of one attention launch: rows per tile, query tokens per tile, keys per step."""
+    """Tile shape of one attention launch: rows per tile, query tokens per tile, keys per step,
+    and KV segments per tile (a power of two; 1 is the single-pass path)."""
 
     block_m: int
     block_q: int
@@ -99,7 +100,7 @@ def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr
         ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(ok, s * 1.4426950408889634, float("-inf"))
+        s = tl.where(ok, s * LOG2E, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -164,10 +165,18 @@ def _paged_attention_kernel(
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = (token * (tl.num_programs(1) * G) + head) * NUM_SPLITS + tl.program_id(2)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
-        tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
-        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
+        _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dims, row_ok,
+                       io_mask, tl.num_programs(1) * G, HEAD_DIM, NUM_SPLITS)
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dims, row_ok, io_mask,
+                   num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Write one KV segment's unnormalised accumulator and (max, sum) for the merge kernel."""
+    part = (token * num_heads + head) * NUM_SPLITS + tl.program_id(2)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
+    tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
+    tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -239,8 +248,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_stats, cu_seqlens_q, num_seqs, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad, NUM_SPLITS=splits)
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=splits)
     return out
 
 

@@ -1,0 +1,108 @@
+"""GPU decode benchmark of the Triton paged-attention backend: time per call and achieved memory
+bandwidth, against the device's own copy bandwidth measured first.
+
+Decode steps (one new token per sequence) at 64 and 256 sequences of 1k and 8k cached tokens, one
+layer shaped like Llama-3-8B by default (32 query heads, 8 KV heads, head_dim 128, bfloat16,
+block_size 16), every sequence's blocks scattered at random over the cache. A call is the backend's
+`forward`: the K/V store of the new tokens plus attention. Bytes counted: the cached K/V read, the
+block table, q read, the new k/v read and stored, the output written. Each shape runs the
+single-pass path, the split-KV path and the backend's own choice ("auto").
+
+Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+
+from workers.engine.attention.base import AttentionMetadata
+
+ROW = "{:>6} {:>8} {:>8} {:>7} {:>11} {:>9} {:>8}"
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options: the shapes to run and the model's attention geometry."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--splits", type=int, default=8, help="KV segments of the split path")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    return parser.parse_args()
+
+
+def copy_bandwidth(do_bench, gib: float = 1.0) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second)."""
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def decode_step(seqs: int, context: int, args: argparse.Namespace):
+    """A filled one-layer cache, the step's metadata and q/k/v, plus the bytes one call moves."""
+    dtype, bs = getattr(torch, args.dtype), args.block_size
+    blocks_per_seq = -(-context // bs)
+    num_blocks = seqs * blocks_per_seq
+    kv_cache = torch.empty(1, 2, num_blocks, bs, args.kv_heads, args.head_dim, dtype=dtype,
+                           device="cuda").normal_()
+    block_table = torch.randperm(num_blocks, device="cuda").view(seqs, blocks_per_seq).int()
+    last = context - 1
+    meta = AttentionMetadata(
+        slot_mapping=block_table[:, last // bs].long() * bs + last % bs,
+        cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((seqs,), context, dtype=torch.int32, device="cuda"),
+        block_table=block_table, max_seqlen_q=1, max_seqlen_k=context)
+    q = torch.randn(seqs, args.heads, args.head_dim, dtype=dtype, device="cuda")
+    k, v = torch.randn(2, seqs, args.kv_heads, args.head_dim, dtype=dtype, device="cuda")
+    size = kv_cache.element_size()
+    kv_bytes = 2 * seqs * context * args.kv_heads * args.head_dim * size
+    moved = (kv_bytes + block_table.numel() * 4 + 2 * q.numel() * size + 4 * k.numel() * size)
+    return kv_cache, meta, (q, k, v), moved
+
+
+def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: float,
+                do_bench) -> None:
+    """Time the single-pass, split and heuristic paths for one shape; print a row each."""
+    from workers.engine.attention.triton_backend import TritonBackend
+
+    kv_cache, meta, (q, k, v), moved = decode_step(seqs, context, args)
+    for path, forced in (("single", 1), ("split", args.splits), ("auto", None)):
+        backend = TritonBackend(kv_cache, num_kv_splits=forced)
+        backend.prepare_metadata(meta)
+        step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
+        ms = do_bench(step, return_mode="median")
+        gbs = moved / ms / 1e6
+        print(ROW.format(seqs, context, path, backend.num_splits, f"{ms * 1e3:.1f}",
+                         f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%"))
+
+
+def main() -> None:
+    """Check for a GPU and Triton, measure copy bandwidth, then print the table."""
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU: torch.cuda.is_available() is False here. "
+                 "On CPU the kernels are only tested (tests/test_triton_kernels.py, interpreted).")
+    try:
+        from triton.testing import do_bench
+    except ImportError as err:
+        sys.exit(f"bench_attention.py needs Triton ({err}); install it with `pip install triton`")
+    copy_gbs = copy_bandwidth(do_bench)
+    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s; "
+          f"{args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
+          f"{args.dtype}, block_size {args.block_size}")
+    print(ROW.format("seqs", "context", "path", "splits", "time (us)", "GB/s", "of copy"))
+    for seqs in args.seqs:
+        for context in args.context:
+            bench_shape(seqs, context, args, copy_gbs, do_bench)
+
+
+if __name__ == "__main__":
+    main()
