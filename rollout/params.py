@@ -12,6 +12,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     `temperature=0` means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
     fresh seed per request; a fixed seed makes each sample independent of what shares its batch.
+    `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     """
 
     n: int = 1
@@ -24,6 +25,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     seed: int | None = None
     logprobs_mode: str = "processed"
+    return_token_versions: bool = False
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", self.n, "must be >= 1")

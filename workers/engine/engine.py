@@ -19,6 +19,9 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
+from workers.engine.weights import WeightSource, check_weights, copy_weights, load_source
+
+UPDATE_MODES = ("continue", "abort", "finish")
 from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
 
 
@@ -103,13 +106,49 @@ class Engine:
 
     def abort(self, request_id: str) -> list[dict]:
         """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""
-        seqs = [s for s in self.scheduler.sequences() if s.group.request_id == request_id]
+        rows = self._abort([s for s in self.scheduler.sequences() if s.group.request_id == request_id])
+        self.groups.pop(request_id, None)
+        return rows
+
+    def _abort(self, seqs: list[Sequence]) -> list[dict]:
         rows = []
         for seq in seqs:
             self.scheduler.finish(seq)
-            for index in seq.sample_indices:
-                rows.append(self._row(seq, index, "abort"))
-        self.groups.pop(request_id, None)
+            rows += [self._row(seq, index, "abort") for index in seq.sample_indices]
+        return rows
+
+    def update_weights(self, source: WeightSource, version: int, mode: str = "continue") -> list[dict]:
+        """Swap in new policy weights (a state dict or a safetensors checkpoint directory), validated
+        first and copied in place; KV computed before is never matched by later prompts.
+
+        `mode` decides what happens to samples already started: "continue" (they go on under the new
+        weights), "abort" (they end now, finish_reason "abort"), "finish" (they finish on the old
+        weights first). Returns the rows of samples that ended meanwhile; unstarted requests stay
+        queued and run on the new weights.
+        """
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version={version!r} must be a non-negative integer")
+        pairs = check_weights(self.runner.model, load_source(source))
+        rows = []
+        if mode == "abort":
+            rows = self._abort([s for s in self.scheduler.sequences() if s.started])
+        elif mode == "finish":
+            rows = self._drain()
+        copy_weights(pairs)
+        self.policy_version = version
+        self.scheduler.hash_root = hash_block(0, [version])
+        return rows
+
+    def _drain(self) -> list[dict]:
+        """Step until every started sample has finished, admitting nothing new."""
+        rows, self.scheduler.admit_new = [], False
+        try:
+            while any(s.started for s in self.scheduler.sequences()):
+                rows += self.step()
+        finally:
+            self.scheduler.admit_new = True
         return rows
 
     def has_unfinished(self) -> bool:
@@ -149,6 +188,7 @@ class Engine:
         for seq, token, logprob in zip(self._fork(seqs), tokens.tolist(), logprobs.tolist()):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self.policy_version)
             reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq)
@@ -190,8 +230,10 @@ class Engine:
         return {"request_id": f"{group.request_id}/{sample_index}", "prompt_index": group.prompt_index,
                 "sample_index": sample_index, "prompt_token_ids": group.prompt_token_ids,
                 "token_ids": generated, "logprobs": seq.logprobs[: len(generated)], "finish_reason": reason,
-                "policy_version": self.policy_version, "num_preemptions": seq.num_preemptions,
-                "worker_id": self.worker_id, "text": text}
+                "policy_version": seq.versions[-1] if seq.versions else self.policy_version,
+                "first_policy_version": seq.versions[0] if seq.versions else self.policy_version,
+                "token_policy_versions": seq.versions if group.params.return_token_versions else None,
+                "num_preemptions": seq.num_preemptions, "worker_id": self.worker_id, "text": text}
 
     # ---- whole calls and introspection ------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,

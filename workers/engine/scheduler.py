@@ -29,6 +29,8 @@ class Scheduler:
         self.swapper = Swapper(pool, cpu_pool)
         self.fork_blocks: dict[int, list[int]] = {}
         self.cached_prefix_tokens = self.recomputes = 0
+        self.hash_root = 0
+        self.admit_new = True
 
     @property
     def num_running_samples(self) -> int:
@@ -117,6 +119,8 @@ class Scheduler:
         used = 0
         while self.waiting and budget > used and self._fits(self.waiting[0]):
             seq = self.waiting[0]
+            if not (self.admit_new or seq.started):
+                break
             cached = self._match_prefix(seq)
             n = self._schedule_prefill(batch, seq, budget - used)
             if not n:
@@ -155,9 +159,10 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> int:
         """Share the cached complete blocks that start this sequence; at least one token stays to
         compute. Returns the number of tokens served from the cache."""
+        seq.hash_root = self.hash_root
         if not self.config.enable_prefix_caching:
             return 0
-        bs, parent = self.block_size, 0
+        bs, parent = self.block_size, self.hash_root
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             parent = hash_block(parent, tokens)
@@ -182,7 +187,7 @@ class Scheduler:
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            block_hash = hash_block(seq.block_hashes[-1] if i else 0, tokens)
+            block_hash = hash_block(seq.block_hashes[-1] if i else seq.hash_root, tokens)
             self.pool.register(seq.block_table[i], block_hash, tokens)
             seq.block_hashes.append(block_hash)
 

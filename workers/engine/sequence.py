@@ -47,6 +47,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    hash_root: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
 
@@ -63,6 +65,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def started(self) -> bool:
+        """Admitted at least once: it holds or held KV, or has tokens of its own."""
+        return self.status != Status.WAITING or self.num_preemptions > 0
+
+    @property
     def is_forked(self) -> bool:
         return len(self.sample_indices) == 1
 
@@ -74,4 +81,4 @@ class Sequence:
         """A child with this sequence's tokens and blocks (the caller fixes refcounts and the last block)."""
         return Sequence(self.group, [sample_index], list(self.token_ids), self.status,
                         self.num_computed_tokens, list(self.block_table), list(self.block_hashes),
-                        list(self.logprobs), self.num_preemptions)
+                        list(self.logprobs), list(self.versions), self.hash_root, self.num_preemptions)

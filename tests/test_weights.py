@@ -1,0 +1,125 @@
+"""Policy weight hot-swap in the engine: validation, in-place copy, versions per mode, no stale KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.conftest import hf_model, make_engine, random_prompts, run
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def policies(model_dir):
+    """Two checkpoints of one architecture with different random weights."""
+    return model_dir("qwen3"), model_dir("qwen3", seed=1)
+
+
+def generate(path: str, prompt: list[int], new: int = 10) -> list[int]:
+    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("as_dir", [False, True], ids=["state_dict", "checkpoint_dir"])
+def test_update_then_greedy_matches_new_model(policies, as_dir):
+    old, new = policies
+    prompt = random_prompts(1, 512, (40, 40), seed=50)[0]
+    engine = make_engine(old)
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == generate(old, prompt)
+    cached_before = engine.stats()["cached_prefix_tokens"]
+    params_before = engine.runner.model.model.embed_tokens.weight.data_ptr()
+    engine.update_weights(new if as_dir else hf_model(new).state_dict(), version=1)
+    assert engine.runner.model.model.embed_tokens.weight.data_ptr() == params_before, "copied in place"
+    row = run(engine, [prompt], GREEDY)[(0, 0)]
+    assert row["token_ids"] == generate(new, prompt)
+    assert row["policy_version"] == row["first_policy_version"] == 1
+    assert engine.stats()["cached_prefix_tokens"] == cached_before, "KV of the old weights is not reused"
+
+
+@pytest.mark.parametrize("break_it, match", [
+    (lambda sd: sd.pop("lm_head.weight"), "missing 'lm_head.weight'"),
+    (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected 'extra'"),
+    (lambda sd: sd.update({"model.norm.weight": torch.zeros(3)}), r"'model.norm.weight' has shape \(3,\)"),
+    (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].half()}), "dtype torch.float16"),
+], ids=["missing", "unexpected", "shape", "dtype"])
+def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
+    old, new = policies
+    prompt = random_prompts(1, 512, (12, 12), seed=51)[0]
+    engine = make_engine(old)
+    state = dict(hf_model(new).state_dict())
+    break_it(state)
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(state, version=1)
+    assert engine.policy_version == 0
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == generate(old, prompt)
+
+
+def test_bad_mode_and_source(policies, tmp_path):
+    engine = make_engine(policies[0])
+    with pytest.raises(ValueError, match="mode='later'"):
+        engine.update_weights(policies[1], version=1, mode="later")
+    with pytest.raises(ValueError, match="neither a state dict nor a directory"):
+        engine.update_weights(str(tmp_path), version=1)
+
+
+def start(engine, prompts, params, steps: int) -> dict:
+    """Add every prompt, run `steps` steps; returns rows finished so far."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, prompt_index=i)
+    rows = {}
+    for _ in range(steps):
+        rows.update(((r["prompt_index"], r["sample_index"]), r) for r in engine.step())
+        engine.check_integrity()
+    return rows
+
+
+def finish(engine, rows: dict) -> dict:
+    while engine.has_unfinished():
+        rows.update(((r["prompt_index"], r["sample_index"]), r) for r in engine.step())
+        engine.check_integrity()
+    return rows
+
+
+def test_mode_continue_spans_versions(policies):
+    old, new = policies
+    engine = make_engine(old)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True, return_token_versions=True)
+    prompt = random_prompts(1, 512, (8, 8), seed=52)[0]
+    rows = start(engine, [prompt], params, steps=4)
+    assert engine.update_weights(new, version=7, mode="continue") == []
+    rows = finish(engine, rows)
+    for row in rows.values():
+        assert row["token_policy_versions"] == [0] * 4 + [7] * 6
+        assert (row["first_policy_version"], row["policy_version"]) == (0, 7)
+        assert row["token_ids"][:4] == generate(old, prompt)[:4]
+
+
+def test_mode_abort_ends_started_samples_and_keeps_queued_ones(policies):
+    old, new = policies
+    engine = make_engine(old, max_num_seqs=2)
+    prompts = random_prompts(2, 512, (8, 8), seed=53)
+    rows = start(engine, prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True), steps=3)
+    aborted = engine.update_weights(new, version=2, mode="abort")
+    engine.check_integrity()
+    assert sorted(r["sample_index"] for r in aborted) == [0, 1]
+    assert all(r["finish_reason"] == "abort" and r["policy_version"] == 0 and len(r["token_ids"]) == 3
+               for r in aborted)
+    rest = finish(engine, rows)
+    assert [rest[(1, s)]["token_ids"] for s in range(2)] == [generate(new, prompts[1])] * 2
+    assert all(rest[(1, s)]["policy_version"] == 2 for s in range(2))
+
+
+def test_mode_finish_drains_on_old_weights(policies):
+    old, new = policies
+    engine = make_engine(old, max_num_seqs=2)
+    prompts = random_prompts(2, 512, (8, 8), seed=54)
+    rows = start(engine, prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True), steps=3)
+    drained = engine.update_weights(new, version=3, mode="finish")
+    assert sorted(r["sample_index"] for r in drained) == [0, 1]
+    assert all(r["finish_reason"] == "length" and r["policy_version"] == 0 for r in drained)
+    assert all(r["token_ids"] == generate(old, prompts[0]) for r in drained)
+    rest = finish(engine, rows)
+    assert all(rest[(1, s)]["token_ids"] == generate(new, prompts[1]) for s in range(2))
+    assert all(rest[(1, s)]["policy_version"] == 3 for s in range(2))

@@ -1,0 +1,56 @@
+"""Validate new policy weights against the loaded model, then copy them in place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors.torch import load_file
+
+WeightSource = Mapping[str, torch.Tensor] | str | Path
+
+
+def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
+    """A state dict as given, or every tensor of the `*.safetensors` files of a checkpoint directory."""
+    if isinstance(source, Mapping):
+        return source
+    path = Path(source)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise ValueError(f"weights source {str(source)!r} is neither a state dict nor a directory of *.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state
+
+
+def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs for every entry of the model's state dict; ValueError listing
+    every missing or unexpected name and every shape or dtype mismatch, before anything is copied."""
+    targets = model.state_dict()
+    problems = [f"missing {name!r}" for name in targets if name not in state]
+    problems += [f"unexpected {name!r}" for name in state if name not in targets]
+    for name, dst in targets.items():
+        src = state.get(name)
+        if src is None:
+            continue
+        if not isinstance(src, torch.Tensor):
+            src = torch.as_tensor(src)
+        if tuple(src.shape) != tuple(dst.shape):
+            problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
+        elif src.dtype != dst.dtype:
+            problems.append(f"{name!r} has dtype {src.dtype}, the model's is {dst.dtype}")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ValueError(f"weights refused, nothing was changed: {shown}")
+    return [(targets[name], torch.as_tensor(state[name])) for name in targets]
+
+
+@torch.no_grad()
+def copy_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy in place, so device buffers (and any captured CUDA graphs) stay valid."""
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
+    if pairs and pairs[0][0].is_cuda:
+        torch.cuda.synchronize()
