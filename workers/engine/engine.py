@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import uuid
 
@@ -17,12 +16,12 @@ from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
+from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
 from workers.engine.weights import WeightSource, check_weights, copy_weights, load_source
 
 UPDATE_MODES = ("continue", "abort", "finish")
-from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
 
 
 class Engine:

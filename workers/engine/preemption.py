@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool
 from workers.engine.offload import CpuPool
-from workers.engine.batch import Batch
 from workers.engine.sequence import Sequence, Status
 
 
