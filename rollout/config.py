@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import tomllib
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import tomllib
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -47,6 +48,54 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"EngineConfig.cpu_offload_gib={self.cpu_offload_gib!r} must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len={self.max_model_len!r} must be >= 1")
+
+
+LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
+
+
+class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The service: the engine every worker runs, how many workers and where, how samples are sent back.
+
+    Workers follow `engine.device`: `cuda` gives each worker one GPU of a placement group (`num_workers`
+    None = one per GPU of the cluster); `cpu` gives each `cpus_per_worker` CPUs (None = one worker).
+    A worker sends a call's finished samples once `flush_rows` are pending or the oldest has waited
+    `flush_delay_s`. `name` and `namespace` name the service actor that clients connect to.
+    `object_store_memory_gib` bounds the object store of an embedded local Ray only.
+    """
+
+    engine: EngineConfig
+    num_workers: int | None = None
+    cpus_per_worker: float = 1.0
+    name: str = "rollout"
+    namespace: str = "rollout"
+    flush_rows: int = 64
+    flush_delay_s: float = 0.05
+    placement_timeout_s: float = 300.0
+    object_store_memory_gib: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "flush_rows"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ServiceConfig.{name}={value!r} must be >= 1")
+        for name in ("cpus_per_worker", "placement_timeout_s", "object_store_memory_gib"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServiceConfig.{name}={getattr(self, name)!r} must be > 0")
+        if self.flush_delay_s < 0:
+            raise ValueError(f"ServiceConfig.flush_delay_s={self.flush_delay_s!r} must be >= 0")
+        if not self.name or not self.namespace:
+            raise ValueError("ServiceConfig.name and ServiceConfig.namespace must not be empty")
+
+
+def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> ServiceConfig:
+    """A ServiceConfig from a TOML path or a struct plus field overrides; EngineConfig fields may be
+    given at top level (`model=...`) or as an `engine` dict. A leading `~` in the model path is expanded."""
+    data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source, dict)
+    engine = {**data.get("engine", {}), **overrides.pop("engine", {})}
+    engine.update({k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__struct_fields__})
+    config = convert({**data, **overrides, "engine": engine}, ServiceConfig)
+    model = os.path.expanduser(config.engine.model)
+    return msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, model=model))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -1,0 +1,66 @@
+"""The embedded API: `rollout.init`, `rollout.sample`, `rollout.shutdown` (loaded lazily by `rollout`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
+from rollout.local_ray import start_local_ray
+from rollout.service import launch, stop
+from rollout.stream import RolloutStream, open_stream, sampling_params
+
+__all__ = ["init", "sample", "update_weights", "shutdown", "RolloutStream"]
+
+_service: ActorHandle | None = None
+_owns_ray = False  # True when init started the local Ray, which shutdown then stops
+
+
+def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> None:
+    """Start the service from a TOML path or a `ServiceConfig` plus field overrides (engine fields such as
+    `model` or `dtype` may be given at top level). Without a running Ray it starts a local one on
+    127.0.0.1; inside an initialised Ray (e.g. a Ray job) it starts the workers there."""
+    global _service, _owns_ray
+    if _service is not None:
+        raise RuntimeError("rollout is already initialised; call rollout.shutdown() first")
+    config = load_service_config(config, **overrides)
+    if not ray.is_initialized():
+        if not Path(config.engine.model).is_dir():
+            raise ValueError(f"engine.model={config.engine.model!r} is not a model directory; pass "
+                             "rollout.init(model=DIR), or run `rollout demo` once to build the tiny default")
+        start_local_ray(config)
+        _owns_ray = True
+    try:
+        _service = launch(config)
+    except BaseException:
+        shutdown()
+        raise
+
+
+def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool = False,
+           **sampling: Any) -> RolloutStream:
+    """Stream `n` samples of each prompt (token-id lists or strings) as record batches; the keywords are
+    `SamplingParams` fields. The first call without `init` starts the service of configs/local.toml."""
+    params = sampling_params(n, sampling)
+    if _service is None:
+        init()
+    return open_stream(_service, prompts, params, progress)
+
+
+def update_weights(weights: Any, version: int) -> None:
+    """Hot-swap the policy weights of every worker (weight sync is a later issue)."""
+    raise NotImplementedError("rollout.update_weights is not implemented yet")
+
+
+def shutdown() -> None:
+    """Stop the service's actors, and the local Ray if `init` started it."""
+    global _service, _owns_ray
+    if _service is not None:
+        stop(_service)
+        _service = None
+    if _owns_ray:
+        ray.shutdown()
+        _owns_ray = False

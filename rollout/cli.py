@@ -1,0 +1,252 @@
+"""The `rollout` command: `sample`, `demo`, `serve` and `stop` (see `rollout COMMAND --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollout.config import LOCAL_CONFIG, load_service_config
+from rollout.params import SamplingParams
+
+_SAMPLING_FLAGS = {  # SamplingParams field -> (type, help); --help shows SamplingParams' defaults
+    "temperature": (float, "sampling temperature; 0 = greedy"),
+    "top_p": (float, "nucleus sampling threshold in (0, 1]"),
+    "top_k": (int, "keep the k most likely tokens; 0 = off"),
+    "min_p": (float, "drop tokens less likely than min_p times the most likely one"),
+    "max_new_tokens": (int, "most tokens generated per sample"),
+    "seed": (int, "makes every sample reproducible (default: a fresh seed per call)"),
+    "logprobs_mode": (str, "'processed' (after temperature and filters) or 'raw' (the model's)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rollout` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, TimeoutError) as err:
+        parser.exit(2, f"rollout {args.command}: error: {err}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout", description=(
+        "Rollout service for RL post-training: LLM engines on Ray workers stream sampled completions "
+        "as Arrow record batches."))
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    service, sampling, cluster = _service_options(), _sampling_options(), _cluster_options()
+    sample = _command(sub, _sample, [service, sampling], "sample completions of a JSONL prompt file into Parquet")
+    sample.add_argument("--prompts", type=Path, required=True, help=(
+        "JSONL file, one prompt per line: a string, a list of token ids, or an object with a \"prompt\" "
+        "field holding either"))
+    sample.add_argument("--out", type=Path, required=True, help="Parquet file to write")
+    demo = _command(sub, _demo, [sampling], "sample a tiny random-weight model on 2 local CPU workers")
+    demo.add_argument("--out", type=Path, default=Path("rollout_demo.parquet"),
+                      help="Parquet file to write (default: rollout_demo.parquet)")
+    serve = _command(sub, _serve, [service, cluster], "start the service on a Ray cluster (a job entrypoint)")
+    serve.add_argument("--detach", action="store_true", help=(
+        "return once the service is ready, leaving it running (stop it with `rollout stop`); by default "
+        "it runs until this process is stopped, e.g. by `ray job stop`"))
+    _command(sub, _stop, [service, cluster], "stop a service started with `rollout serve --detach`")
+    return parser
+
+
+def _command(sub: Any, run: Any, parents: list[argparse.ArgumentParser], help_text: str) -> argparse.ArgumentParser:
+    """A subcommand named after `run` (`_sample` -> `sample`), described by its docstring."""
+    name = run.__name__.lstrip("_")
+    command = sub.add_parser(name, parents=parents, help=help_text, description=run.__doc__)
+    command.set_defaults(run=run, command=name)
+    return command
+
+
+def _service_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("service")
+    group.add_argument("--config", type=Path, default=LOCAL_CONFIG,
+                       help="service config TOML (default: configs/local.toml, 2 CPU workers)")
+    group.add_argument("--model", help="Hugging Face model directory (overrides engine.model)")
+    group.add_argument("--num-workers", type=int, help="number of workers (overrides num_workers)")
+    group.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=(
+        "override a config field, the value in TOML syntax, e.g. --set flush_rows=32 --set dtype=bfloat16 "
+        "(engine fields are named directly); repeatable"))
+    return options
+
+
+def _sampling_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("sampling")
+    group.add_argument("--n", type=int, default=8, help="samples per prompt (default: 8)")
+    defaults = SamplingParams()
+    for field, (kind, help_text) in _SAMPLING_FLAGS.items():
+        default = getattr(defaults, field)
+        shown = "" if default is None else f" (default: {default})"
+        group.add_argument(f"--{field.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
+                           help=help_text + shown)
+    group.add_argument("--stop-token-ids", type=int, nargs="+", default=argparse.SUPPRESS, metavar="ID",
+                       help="token ids that end a sample, besides the model's EOS")
+    group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
+                       help="keep generating after the model's EOS token")
+    return options
+
+
+def _cluster_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--address", default="auto", help=(
+        "Ray cluster to join (default: auto = RAY_ADDRESS, as set in a Ray job, or the local head node)"))
+    return options
+
+
+def _sample(args: argparse.Namespace) -> int:
+    """Sample --n completions of every prompt in --prompts with the service of --config (by default an
+    embedded local Ray with 2 CPU workers), write them to --out as Parquet and print a summary."""
+    import rollout
+    from rollout.stream import sampling_params
+
+    prompts = read_prompts(args.prompts)
+    sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
+    rollout.init(args.config, **_overrides(args))
+    try:
+        _run(prompts, args)
+    finally:
+        rollout.shutdown()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Build (once, cached under ~/.cache/rollout/) a tiny Qwen3-style model with RANDOM weights and its
+    tokenizer, start the embedded service with 2 CPU workers, sample --n completions of a few built-in
+    prompts, write them to --out and print a summary. The completions are gibberish: the weights are
+    random; the demo shows the machinery, not a model."""
+    import rollout
+    from rollout.demo import DEMO_PROMPTS, demo_model
+
+    print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
+    rollout.init(LOCAL_CONFIG, model=str(demo_model()), num_workers=2)
+    try:
+        table = _run(DEMO_PROMPTS, args)
+    finally:
+        rollout.shutdown()
+    for row in table.slice(0, 2).to_pylist():
+        print(f"  prompt {DEMO_PROMPTS[row['prompt_index']]!r} -> {row['text'][:60]!r}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Start the service of --config as named actors (`name` in `namespace`) on a running Ray cluster and
+    wait until every engine is loaded; trainers then connect with RolloutClient.connect(name, namespace).
+    It runs until this process is stopped (`ray job stop`, SIGTERM, Ctrl-C), or with --detach returns at
+    once and keeps running."""
+    import ray
+
+    from rollout.service import launch, stop
+
+    config = load_service_config(args.config, **_overrides(args))
+    ray.init(address=args.address, namespace=config.namespace)
+    service = launch(config, detached=args.detach)
+    print(f"rollout service {config.name!r} ready in namespace {config.namespace!r} with "
+          f"{ray.get(service.ready.remote())} workers", flush=True)
+    if args.detach:
+        return 0
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    while not stopping.wait(1.0):
+        pass
+    stop(service)
+    print(f"rollout service {config.name!r} stopped", flush=True)
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    """Stop the service named by --config (its workers and the service actor) on a running Ray cluster."""
+    import ray
+
+    from rollout.service import stop
+
+    config = load_service_config(args.config, **_overrides(args))
+    ray.init(address=args.address, namespace=config.namespace)
+    stop(ray.get_actor(config.name, namespace=config.namespace))
+    print(f"rollout service {config.name!r} stopped", flush=True)
+    return 0
+
+
+def _run(prompts: list, args: argparse.Namespace) -> pa.Table:
+    """Sample from the initialised service with a progress bar, write the Parquet file, print the summary."""
+    import pyarrow.parquet as pq
+
+    import rollout
+
+    start = time.perf_counter()
+    table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+    seconds = time.perf_counter() - start
+    pq.write_table(table, args.out)
+    print(summary(table, seconds))
+    print(f"wrote {args.out}")
+    return table
+
+
+def summary(table: pa.Table, seconds: float) -> str:
+    """Samples, generated tokens, tokens/s, finish reasons and preemptions of a finished call."""
+    tokens = pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0
+    reasons = pc.value_counts(table.column("finish_reason").cast(pa.string())).to_pylist()
+    finished = ", ".join(f"{r['values']} {r['counts']}" for r in reasons)
+    preemptions = pc.sum(table.column("num_preemptions")).as_py() or 0
+    return (f"{table.num_rows} samples, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s); "
+            f"finish: {finished or '-'}; {preemptions} preemptions")
+
+
+def read_prompts(path: Path) -> list[str | list[int]]:
+    """Prompts of a JSONL file: per line a string, a token-id list, or an object with a "prompt" field."""
+    if not path.is_file():
+        raise ValueError(f"prompt file {str(path)!r} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"{path}:{number}: expected a string, a token-id list or {{\"prompt\": ...}}")
+        prompts.append(prompt)
+    return prompts
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Config field overrides from --model, --num-workers and --set FIELD=VALUE."""
+    out: dict[str, Any] = {}
+    for item in args.set:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r} must have the form FIELD=VALUE")
+        try:
+            out[field.strip()] = tomllib.loads(f"value = {value}")["value"]
+        except tomllib.TOMLDecodeError:
+            out[field.strip()] = value  # a bare string, e.g. --set model=/models/x
+    if args.model is not None:
+        out["model"] = args.model
+    if args.num_workers is not None:
+        out["num_workers"] = args.num_workers
+    return out
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling keywords given on the command line (the rest keep SamplingParams' defaults)."""
+    return {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "stop_token_ids", "ignore_eos"]
+            if hasattr(args, name)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

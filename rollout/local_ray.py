@@ -1,0 +1,24 @@
+"""The embedded Ray: a private instance on this machine with every listener on 127.0.0.1."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ray
+from ray._private import ray_constants
+
+from rollout.config import ServiceConfig
+
+
+def start_local_ray(config: ServiceConfig) -> None:
+    """Start a private Ray instance for the embedded service: no dashboard, a bounded object store, enough
+    CPUs for the configured workers, listeners on 127.0.0.1 only (never joins a running cluster)."""
+    # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
+    # it sets is overridden too); the processes it starts read it from the environment.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    workers = config.num_workers or 1
+    ray.init(address="local", include_dashboard=False, namespace=config.namespace,
+             num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
+             object_store_memory=int(config.object_store_memory_gib * 2**30))

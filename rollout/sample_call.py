@@ -1,0 +1,125 @@
+"""One `sample` call inside the service: route prompt groups, merge the workers' streams, resend what a
+dead worker still owed, so that every requested sample arrives exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from typing import AsyncIterator
+
+import pyarrow as pa
+import ray
+from ray import ObjectRefGenerator
+from ray.exceptions import ObjectLostError, RayActorError
+
+from rollout.params import SamplingParams
+from rollout.pool import WorkerPool
+from workers.messages import PromptGroup
+
+_END = object()  # a worker's stream ended normally
+_LOST = (RayActorError, ObjectLostError)  # the worker (or its node) died: resend what it still owed
+
+
+class _Stream:
+    """One worker's part of a call: its generator, prompts, and the samples it still owes."""
+
+    def __init__(self, worker: int, prompts: list[int], owed: int, generator: ObjectRefGenerator) -> None:
+        self.worker, self.prompts, self.owed, self.generator = worker, prompts, owed, generator
+        self.pump_task: asyncio.Task | None = None
+
+    async def pump(self, events: asyncio.Queue) -> None:
+        """Forward every batch (then _END, or the error) to `events`."""
+        try:
+            async for ref in self.generator:
+                events.put_nowait((self, await ref))
+            events.put_nowait((self, _END))
+        except Exception as err:  # judged by the call: a lost worker or a failed request
+            events.put_nowait((self, err))
+
+    def close(self) -> None:
+        """Stop forwarding and cancel the worker's generator (which aborts its unfinished samples)."""
+        if self.pump_task is not None:
+            self.pump_task.cancel()
+        ray.cancel(self.generator)
+
+
+class SampleCall:
+    """Routes the prompts of one call to workers and yields their batches; see `run`."""
+
+    def __init__(self, pool: WorkerPool, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.pool, self.prompts, self.params = pool, prompts, params
+        self.call_id = uuid.uuid4().hex[:16]
+        self.missing = {i: set(range(params.n)) for i in range(len(prompts))}
+        self.streams: list[_Stream] = []
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._serial = itertools.count()
+
+    async def run(self) -> AsyncIterator[pa.RecordBatch | int]:
+        """Yield the number of samples once every prompt is queued on a worker, then record batches in
+        arrival order until none is missing. Leaving early (cancel, error) cancels the workers' streams."""
+        try:
+            await self._send(list(self.missing))
+            yield len(self.prompts) * self.params.n
+            while any(self.missing.values()):
+                stream, item = await self.events.get()
+                if isinstance(item, pa.RecordBatch):
+                    self._receive(stream, item)
+                    yield item
+                elif isinstance(item, _LOST):
+                    self._drop(stream)
+                    self.pool.lose(stream.worker, item)
+                    await self._send([i for i in stream.prompts if self.missing[i]])
+                elif item is _END:
+                    self._drop(stream)
+                    if any(self.missing[i] for i in stream.prompts):
+                        raise RuntimeError(f"worker {stream.worker} ended a stream with samples missing")
+                else:
+                    raise item
+        finally:
+            for stream in self.streams:
+                self.pool.release(stream.worker, stream.owed)
+                stream.close()
+
+    async def _send(self, prompts: list[int]) -> None:
+        """Route the missing samples of `prompts` and open their streams; a worker lost before it
+        acknowledged its share has that share routed again."""
+        plan = self.pool.assign({i: len(self.missing[i]) for i in prompts})
+        # Wait for every share before raising, so that each opened stream is known when the call ends.
+        results = await asyncio.gather(*(self._open(w, share) for w, share in plan.items()),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        again = [i for share in results for i in share]
+        if again:
+            await self._send(again)
+
+    async def _open(self, worker: int, prompts: list[int]) -> list[int]:
+        """Open one worker's stream for `prompts` and wait for its acknowledgement; returns the prompts
+        to route again if the worker is lost (a rejected request raises instead)."""
+        groups = [PromptGroup(i, self.prompts[i], sorted(self.missing[i])) for i in prompts]
+        generator = self.pool.workers[worker].generate.remote(
+            f"{self.call_id}.{next(self._serial)}", groups, self.params)
+        stream = _Stream(worker, prompts, sum(len(g.sample_indices) for g in groups), generator)
+        self.streams.append(stream)
+        try:
+            await (await generator.__anext__())
+        except _LOST as err:
+            self._drop(stream)
+            self.pool.lose(worker, err)
+            return prompts
+        stream.pump_task = asyncio.create_task(stream.pump(self.events))
+        return []
+
+    def _receive(self, stream: _Stream, batch: pa.RecordBatch) -> None:
+        prompts = batch.column("prompt_index").to_pylist()
+        for prompt, sample in zip(prompts, batch.column("sample_index").to_pylist()):
+            self.missing[prompt].discard(sample)
+        stream.owed -= batch.num_rows
+        self.pool.release(stream.worker, batch.num_rows)
+
+    def _drop(self, stream: _Stream) -> None:
+        """Forget a stream that has ended; what it still owed no longer counts as its worker's load."""
+        self.streams.remove(stream)
+        self.pool.release(stream.worker, stream.owed)

@@ -1,0 +1,92 @@
+"""The client side of a `sample` call: `RolloutStream`, and `open_stream` shared by `rollout.sample` and
+`RolloutClient.sample`."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pyarrow as pa
+import ray
+from ray import ObjectRefGenerator
+from ray.actor import ActorHandle
+from ray.exceptions import RayTaskError
+from tqdm.auto import tqdm
+
+from rollout.params import SamplingParams
+from rollout.schema import SAMPLE_SCHEMA, sort_samples
+
+
+def open_stream(service: ActorHandle, prompts: list[str] | list[list[int]], params: SamplingParams,
+                progress: bool) -> "RolloutStream":
+    """Start a `sample` call on `service`; prompts the service rejects raise ValueError here."""
+    return RolloutStream(service.sample.remote(prompts, params), progress)
+
+
+def sampling_params(n: int, sampling: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams` from `sample(...)` keywords; unknown names or bad values raise ValueError."""
+    try:
+        return SamplingParams.from_kwargs(n=n, **sampling)
+    except ValueError as err:
+        raise ValueError(f"invalid sampling arguments: {err}") from None
+
+
+class RolloutStream:
+    """The samples of one call: iterate for `pyarrow.RecordBatch`es in arrival order, or `to_table()`.
+    `total` is the number of samples the call will deliver.
+
+    Breaking off the iteration, `cancel()`, leaving a `with` block or dropping the stream aborts the
+    samples not yet received and frees their KV blocks. `progress=True` shows a tqdm bar.
+    """
+
+    def __init__(self, generator: ObjectRefGenerator, progress: bool = False) -> None:
+        self._generator = generator
+        self._open = True
+        try:
+            self.total: int = _get(next(generator))  # the acknowledgement: prompts valid and queued
+        except BaseException:
+            self.cancel()
+            raise
+        self._bar = tqdm(total=self.total, unit="sample", desc="rollout", disable=not progress)
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        try:
+            for ref in self._generator:
+                batch = _get(ref)
+                self._bar.update(batch.num_rows)
+                yield batch
+            self._open = False
+        finally:
+            self.cancel()
+
+    def to_table(self) -> pa.Table:
+        """Every sample, ordered by prompt then sample."""
+        return sort_samples(pa.Table.from_batches(list(self), schema=SAMPLE_SCHEMA))
+
+    def cancel(self) -> None:
+        """Abort the samples not yet received (a no-op once the stream has ended)."""
+        if self._open:
+            self._open = False
+            ray.cancel(self._generator)
+        if hasattr(self, "_bar"):
+            self._bar.close()
+
+    def __enter__(self) -> "RolloutStream":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if getattr(self, "_open", False) and ray.is_initialized():
+            self.cancel()
+
+
+def _get(ref: ray.ObjectRef) -> Any:
+    """`ray.get`, raising the original error of a failed worker or service call rather than Ray's wrapper."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as err:
+        cause: BaseException = err
+        while isinstance(cause, RayTaskError) and cause.cause is not None:
+            cause = cause.cause
+        raise cause from None

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Submit the rollout service to a Ray cluster as a job (see docs/service.md). The job's entrypoint,
+# `rollout serve`, starts the named service actors and keeps them alive until `ray job stop`.
+#
+#   scripts/submit_job.sh [CONFIG [extra `rollout serve` flags...]]      CONFIG: configs/cluster.toml
+#
+#   RAY_ADDRESS    the head node's dashboard (default http://127.0.0.1:8265)
+#   JOB_ID         the submission id (default rollout-service)
+#   RAY_AUTH_MODE  token (default; the token comes from ~/.ray/auth_token or RAY_AUTH_TOKEN), or disabled
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config="${1:-configs/cluster.toml}"
+shift $(( $# > 0 ? 1 : 0 ))
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+address="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+job="${JOB_ID:-rollout-service}"
+ray job submit --address "$address" --submission-id "$job" --working-dir . --no-wait \
+    -- rollout serve --config "$config" "$@"
+echo "follow: ray job logs --address $address --follow $job"
+echo "stop:   ray job stop --address $address $job"

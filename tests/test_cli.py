@@ -1,0 +1,78 @@
+"""The `rollout` command: `demo` end to end in a fresh process, `sample` from a JSONL file, and errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from rollout.cli import main
+from rollout.demo import DEMO_PROMPTS
+
+
+EMBEDDED_DEFAULT = """
+import rollout
+print(rollout.sample(["Hello", [5, 6, 7]], n=3, max_new_tokens=4).to_table().num_rows)
+rollout.shutdown()
+"""
+
+
+def test_demo_builds_its_model_once_and_is_the_embedded_default(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}  # the model cache and Ray's token go under this HOME
+    out = tmp_path / "demo.parquet"
+    command = [sys.executable, "-m", "rollout.cli", "demo", "--max-new-tokens", "8", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RANDOM weights" in done.stdout and "tokens/s" in done.stdout
+    assert (tmp_path / ".cache/rollout/tiny-qwen3/config.json").is_file()
+    table = pq.read_table(out)
+    assert table.num_rows == len(DEMO_PROMPTS) * 8
+    assert set(table.column("worker_id").to_pylist()) == {0, 1}
+    # configs/local.toml names the demo's model: `rollout.sample` without `init` now just works
+    done = subprocess.run([sys.executable, "-c", EMBEDDED_DEFAULT], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "6", done.stderr[-3000:]
+
+
+def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ['"The quick brown fox"', "[5, 6, 7, 8]", '{"prompt": "Two plus two"}', '{"prompt": [9, 10]}']
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "samples.parquet"
+    code = main(["sample", "--model", model_dir("qwen3"), "--prompts", str(prompts), "--n", "3",
+                 "--max-new-tokens", "5", "--ignore-eos", "--num-workers", "1", "--set", "flush_rows=2",
+                 "--out", str(out)])
+    assert code == 0
+    table = pq.read_table(out)
+    assert table.num_rows == 12
+    assert table.column("prompt_token_ids").to_pylist()[3:6] == [[5, 6, 7, 8]] * 3
+    assert {len(tokens) for tokens in table.column("token_ids").to_pylist()} == {5}
+    summary = capsys.readouterr().out
+    assert "12 samples, 60 tokens" in summary and "0 preemptions" in summary
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "--prompts", "{missing}", "--out", "x.parquet"], "does not exist"),
+    (["sample", "--prompts", "{bad}", "--out", "x.parquet"], ":2: not JSON"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows"], "FIELD=VALUE"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows=0"], "flush_rows=0"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--top-p", "2"], "top_p=2.0"),
+])
+def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
+    (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
+    (tmp_path / "good.jsonl").write_text('"ok"\n')
+    files = {"missing": tmp_path / "none.jsonl", "bad": tmp_path / "bad.jsonl", "good": tmp_path / "good.jsonl"}
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(**files) for arg in argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["sample", "demo", "serve", "stop"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0 and "usage: rollout " + command in capsys.readouterr().out

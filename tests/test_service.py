@@ -1,0 +1,124 @@
+"""The embedded service with two CPU workers: exactly-once delivery, parity with one in-process engine,
+streaming, isolation of concurrent calls, cancellation, and errors raised at the call."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+
+import rollout
+from rollout import SamplingParams
+from rollout.schema import SAMPLE_SCHEMA
+from tests.conftest import make_engine, random_prompts
+from trainer_client import RolloutClient
+
+
+@pytest.fixture(scope="module")
+def service(model_dir):
+    """Two CPU workers sized so that a call runs in several waves (max_num_seqs=8) and flushes often."""
+    model = model_dir("qwen3")
+    rollout.init(model=model, num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8,
+                 num_blocks=256, object_store_memory_gib=0.5)
+    yield model
+    rollout.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    """The running service reached by name, as a trainer would (same driver)."""
+    return RolloutClient.connect(name="rollout", namespace="rollout")
+
+
+def keys(table: pa.Table) -> list[tuple[int, int]]:
+    return list(zip(table.column("prompt_index").to_pylist(), table.column("sample_index").to_pylist()))
+
+
+def wait_until_idle(client: RolloutClient, timeout_s: float = 20.0) -> dict[int, dict]:
+    """Worker stats once nothing runs, waits or is owed anywhere and every block is free or cached."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if all(s["running"] == s["waiting"] == s["outstanding"] == 0
+               and s["blocks_free"] + s["blocks_cached"] == s["blocks_total"] for s in stats.values()):
+            return stats
+        assert time.monotonic() < deadline, f"workers still busy: {stats}"
+        time.sleep(0.1)
+
+
+def test_every_sample_arrives_exactly_once(service, client):
+    prompts = [*random_prompts(5, 512, (3, 20), seed=1), "The capital of France is"]
+    stream = rollout.sample(prompts, n=4, max_new_tokens=12)
+    assert stream.total == 24
+    table = stream.to_table()
+    assert table.schema == SAMPLE_SCHEMA
+    assert keys(table) == [(p, s) for p in range(6) for s in range(4)]
+    assert set(table.column("worker_id").to_pylist()) == {0, 1}
+    for row in table.to_pylist():
+        assert len(row["token_ids"]) == len(row["logprobs"]) <= 12
+        if row["prompt_index"] < 5:
+            assert row["prompt_token_ids"] == prompts[row["prompt_index"]]
+    wait_until_idle(client)
+
+
+def test_greedy_rows_equal_one_in_process_engine(service):
+    prompts = random_prompts(6, 512, (3, 30), seed=2)
+    params = dict(n=2, temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    served = rollout.sample(prompts, **params).to_table()
+    local = make_engine(service).generate(prompts, SamplingParams(**params))
+    assert served.column("token_ids").to_pylist() == local.column("token_ids").to_pylist()
+    for a, b in zip(served.column("logprobs").to_pylist(), local.column("logprobs").to_pylist()):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_first_batch_arrives_before_the_last_sample_finishes(service, client):
+    stream = rollout.sample(random_prompts(8, 512, (4, 12), seed=3), n=4, max_new_tokens=64, ignore_eos=True)
+    batches = iter(stream)
+    first = next(batches)
+    still_busy = sum(s["running"] + s["waiting"] for s in client.stats().values())
+    rest = list(batches)
+    assert first.num_rows < 32 and still_busy > 0
+    assert first.num_rows + sum(b.num_rows for b in rest) == 32
+
+
+def test_concurrent_calls_get_only_their_own_rows(service):
+    prompts_a = random_prompts(4, 512, (5, 10), seed=4)
+    prompts_b = random_prompts(3, 512, (11, 16), seed=5)
+    stream_a = rollout.sample(prompts_a, n=3, max_new_tokens=24)
+    stream_b = rollout.sample(prompts_b, n=5, max_new_tokens=8)
+    table_b, table_a = stream_b.to_table(), stream_a.to_table()
+    for table, prompts, n in [(table_a, prompts_a, 3), (table_b, prompts_b, 5)]:
+        assert keys(table) == [(p, s) for p in range(len(prompts)) for s in range(n)]
+        for row in table.to_pylist():
+            assert row["prompt_token_ids"] == prompts[row["prompt_index"]]
+    calls_a = {r.split(":")[0] for r in table_a.column("request_id").to_pylist()}
+    calls_b = {r.split(":")[0] for r in table_b.column("request_id").to_pylist()}
+    assert not calls_a & calls_b
+
+
+def test_cancel_or_break_off_frees_the_blocks(service, client):
+    prompts = random_prompts(16, 512, (20, 40), seed=6)
+    stream = rollout.sample(prompts, n=4, max_new_tokens=400, ignore_eos=True)
+    assert sum(s["running"] + s["waiting"] for s in client.stats().values()) > 0
+    stream.cancel()
+    wait_until_idle(client)
+    for batch in rollout.sample(prompts, n=4, max_new_tokens=400, ignore_eos=True):
+        break
+    wait_until_idle(client)
+
+
+@pytest.mark.parametrize("prompts, sampling, message", [
+    ([[5, 6, 99999]], {}, "prompt 0 has token id 99999 outside the vocabulary"),
+    ([[5, 6], []], {}, "prompt 1 is empty"),
+    ("not a list", {}, "prompts must be a non-empty list"),
+    ([[7] * 2000], {}, "prompt 0 has 2000 tokens"),
+    ([[5, 6]], {"n": 0}, "SamplingParams.n=0 must be >= 1"),
+    ([[5, 6]], {"temperature": -1.0}, "SamplingParams.temperature=-1.0"),
+    ([[5, 6]], {"max_new_tokens": "many"}, "Expected `int`, got `str` - at `$.max_new_tokens`"),
+    ([[5, 6]], {"bogus": 1}, "unknown field `bogus`"),
+])
+def test_bad_prompts_and_sampling_arguments_fail_at_the_call(service, client, prompts, sampling, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("$", r"\$")):
+        rollout.sample(prompts, **sampling)
+    wait_until_idle(client)

@@ -1,0 +1,48 @@
+"""Bad service configs fail at `rollout.init` with the field's path, before any Ray process starts."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import rollout
+from rollout.config import LOCAL_CONFIG, load_service_config
+
+
+@pytest.fixture
+def model(model_dir):
+    return model_dir("qwen3")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_workers=0), r"ServiceConfig.num_workers=0 must be >= 1"),
+    (dict(num_workers="two"), r"Expected `int \| null`, got `str` - at `\$.num_workers`"),
+    (dict(bogus=1), r"unknown field `bogus`"),
+    (dict(dtype="int4"), r"EngineConfig.dtype='int4' must be one of .* - at `\$.engine`"),
+    (dict(engine={"block_size": "big"}), r"Expected `int`, got `str` - at `\$.engine.block_size`"),
+    (dict(flush_delay_s=-1.0), r"ServiceConfig.flush_delay_s=-1.0 must be >= 0"),
+])
+def test_bad_overrides(model, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        rollout.init(model=model, **overrides)
+    assert not ray.is_initialized()
+
+
+def test_bad_files(tmp_path, model):
+    with pytest.raises(ValueError, match="does not exist"):
+        rollout.init(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('num_workers = 2\n[engine]\nmodel = 3\n')
+    with pytest.raises(ValueError, match=r"Expected `str`, got `int` - at `\$.engine.model`"):
+        rollout.init(bad)
+    with pytest.raises(ValueError, match="is not a model directory"):
+        rollout.init(model=str(tmp_path / "nowhere"))
+    assert not ray.is_initialized()
+
+
+def test_shipped_configs_load(tmp_path):
+    local = load_service_config()
+    assert local.num_workers == 2 and local.engine.device == "cpu" and not local.engine.model.startswith("~")
+    cluster = load_service_config(LOCAL_CONFIG.parent / "cluster.toml")
+    assert cluster.num_workers is None and cluster.engine.device == "cuda"
+    assert load_service_config(cluster, model="/m", num_workers=3).engine.model == "/m"

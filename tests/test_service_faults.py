@@ -1,0 +1,50 @@
+"""Failures: a request the KV cache cannot hold fails at its call only; a worker killed in the middle of a
+stream has the samples it still owed resent to the survivor, and every sample arrives exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import rollout
+from tests.conftest import random_prompts
+from trainer_client import RolloutClient
+
+
+@pytest.fixture(scope="module")
+def service(model_dir):
+    model = model_dir("qwen3")
+    rollout.init(model=model, num_workers=2, flush_rows=2, flush_delay_s=0.01, max_num_seqs=4,
+                 num_blocks=40, object_store_memory_gib=0.5)
+    yield model
+    rollout.shutdown()
+
+
+def test_a_request_too_big_for_the_kv_cache_fails_at_its_call_only(service):
+    too_big = random_prompts(1, 512, (700, 700), seed=9)  # 40 blocks of 16 tokens hold 640
+    with pytest.raises(ValueError, match="num_blocks=40"):
+        rollout.sample(too_big, n=1, max_new_tokens=4)
+    table = rollout.sample(random_prompts(2, 512, (5, 9), seed=10), n=2, max_new_tokens=4).to_table()
+    assert table.num_rows == 4 and set(table.column("worker_id").to_pylist()) == {0, 1}
+
+
+def test_killed_worker_samples_are_resent_exactly_once(service):
+    client = RolloutClient.connect(name="rollout", namespace="rollout")
+    prompts = random_prompts(8, 512, (4, 12), seed=7)
+    batches = iter(rollout.sample(prompts, n=4, max_new_tokens=48, ignore_eos=True))
+    received = [next(batches)]
+    owing = {w: s["outstanding"] for w, s in client.stats().items()}
+    victim = max(owing, key=owing.get)
+    assert owing[victim] > 0
+    ray.kill(ray.get_actor(f"rollout-worker-{victim}", namespace="rollout"), no_restart=True)
+    received += list(batches)
+
+    rows = [row for batch in received for row in batch.to_pylist()]
+    assert sorted((r["prompt_index"], r["sample_index"]) for r in rows) == [
+        (p, s) for p in range(8) for s in range(4)]
+    assert sum(r["worker_id"] == victim for r in rows) < 16  # some of its samples came from the survivor
+    assert list(client.stats()) == [1 - victim]
+    assert all(len(r["token_ids"]) == 48 and r["finish_reason"] == "length" for r in rows)
+
+    again = rollout.sample(prompts[:2], n=2, max_new_tokens=4).to_table()
+    assert again.num_rows == 4 and set(again.column("worker_id").to_pylist()) == {1 - victim}

@@ -1,0 +1,48 @@
+"""`RolloutClient`: a trainer's handle on a service running elsewhere in the Ray cluster."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from rollout.stream import RolloutStream, open_stream, sampling_params
+
+
+class RolloutClient:
+    """Samples from a running service (e.g. started by `rollout serve`) exactly like `rollout.sample`."""
+
+    def __init__(self, service: ActorHandle) -> None:
+        self.service = service
+
+    @classmethod
+    def connect(cls, name: str = "rollout", namespace: str = "rollout", address: str = "auto",
+                timeout_s: float = 60.0) -> "RolloutClient":
+        """Join the cluster at `address` as a driver (unless Ray is initialised already) and wait up to
+        `timeout_s` for the service `namespace/name` to exist and finish loading its engines. An explicit
+        address on a token-auth cluster needs RAY_AUTH_MODE=token in the environment."""
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                service = ray.get_actor(name, namespace=namespace)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no rollout service {name!r} in namespace {namespace!r} "
+                                       f"after {timeout_s} s") from None
+                time.sleep(0.5)
+        ray.get(service.ready.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+        return cls(service)
+
+    def sample(self, prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool = False,
+               **sampling: Any) -> RolloutStream:
+        """Stream `n` samples of each prompt as record batches; the keywords are `SamplingParams` fields."""
+        return open_stream(self.service, prompts, sampling_params(n, sampling), progress)
+
+    def stats(self) -> dict[int, dict]:
+        """Engine counters and outstanding load of every live worker of the service."""
+        return ray.get(self.service.stats.remote())

@@ -1,0 +1,144 @@
+"""The engine loop: one thread owns an `Engine`, steps it, and hands every call's finished samples back as
+record batches, flushed by row count or after a short delay. Ray-free, so it runs under any actor."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rollout.params import SamplingParams
+from rollout.schema import samples_to_batch
+from workers.messages import PromptGroup
+
+Emit = Callable[[Any], None]  # receives record batches, then None when the call is complete, or an exception
+
+
+@dataclass
+class _Call:
+    emit: Emit
+    request_ids: list[str]
+    remaining: int
+    rows: list[dict] = field(default_factory=list)
+    first_pending_at: float = 0.0
+
+
+class EngineLoop:
+    """Drives `engine` on a daemon thread; every engine call goes through that thread (it is not thread-safe)."""
+
+    def __init__(self, engine: Any, flush_rows: int, flush_delay_s: float) -> None:
+        self.engine = engine
+        self.flush_rows = flush_rows
+        self.flush_delay_s = flush_delay_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: dict[str, _Call] = {}
+        self._owners: dict[str, str] = {}  # engine request id -> call id
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="engine-loop", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the loop thread between two steps; the future holds its result or exception."""
+        future: Future = Future()
+        self._commands.put((future, fn, args))
+        return future
+
+    def open(self, call_id: str, groups: list[PromptGroup], params: SamplingParams, emit: Emit) -> Future:
+        """Queue the groups of a call; `emit` then gets its batches, and None once every sample was sent."""
+        return self.submit(self._open, call_id, groups, params, emit)
+
+    def close(self, call_id: str) -> Future:
+        """Abort the unfinished samples of a call and drop its pending rows: its consumer went away."""
+        return self.submit(self._close, call_id)
+
+    def _open(self, call_id: str, groups: list[PromptGroup], params: SamplingParams, emit: Emit) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"this worker's engine failed earlier: {self._error!r}")
+        if call_id in self._calls:
+            raise ValueError(f"call {call_id!r} is already open")
+        added: list[str] = []
+        try:
+            for group in groups:
+                added.append(self.engine.add_request(
+                    group.token_ids, params, request_id=f"{call_id}:{group.prompt_index}",
+                    prompt_index=group.prompt_index, sample_indices=group.sample_indices))
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        self._calls[call_id] = _Call(emit, added, sum(len(g.sample_indices) for g in groups))
+        self._owners.update(dict.fromkeys(added, call_id))
+
+    def _close(self, call_id: str) -> None:
+        call = self._calls.pop(call_id, None)
+        for request_id in call.request_ids if call else []:
+            self._owners.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        while True:
+            busy = self._error is None and self.engine.has_unfinished()
+            self._run_commands(block=not busy)
+            if self._error is None and self.engine.has_unfinished():
+                self._step()
+            self._flush(time.monotonic())
+
+    def _run_commands(self, block: bool) -> None:
+        """Run the queued commands; wait for the first one when the engine has nothing to do."""
+        try:
+            item = self._commands.get(block=block)
+            while True:
+                future, fn, args = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as err:  # handed to the caller, who raises it
+                        future.set_exception(err)
+                item = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _step(self) -> None:
+        try:
+            rows = self.engine.step()
+        except Exception as err:
+            self._fail(err)
+            return
+        now = time.monotonic()
+        for row in rows:
+            call = self._calls.get(self._owners.get(row["request_id"].rsplit("/", 1)[0], ""))
+            if call is None:
+                continue
+            if not call.rows:
+                call.first_pending_at = now
+            call.rows.append(row)
+            call.remaining -= 1
+
+    def _fail(self, err: Exception) -> None:
+        """A step raised: fail every open call and abort its requests. The engine keeps serving only if
+        its block accounting still balances; otherwise every later call is refused."""
+        for call in self._calls.values():
+            call.emit(err)
+        try:
+            for call_id in list(self._calls):
+                self._close(call_id)
+            self.engine.check_integrity()
+        except Exception:
+            self._error = err
+            self._calls.clear()
+            self._owners.clear()
+
+    def _flush(self, now: float) -> None:
+        """Send each call's pending rows that are numerous or old enough, and end the complete calls."""
+        for call_id, call in list(self._calls.items()):
+            if call.rows and (call.remaining == 0 or len(call.rows) >= self.flush_rows
+                              or now - call.first_pending_at >= self.flush_delay_s):
+                call.emit(samples_to_batch(call.rows))
+                call.rows = []
+            if call.remaining == 0:
+                call.emit(None)
+                del self._calls[call_id]
+                for request_id in call.request_ids:
+                    self._owners.pop(request_id, None)
