@@ -66,8 +66,7 @@ def bench_generate(path: str, prompts, n: int, new: int, prompts_per_batch: int 
 
 
 def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="sdpa_paged").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate_batch(prompts, generation_config=hf_generation_config(n, new))
@@ -120,9 +119,12 @@ def main() -> None:
         path = str(build_tiny_model(tmp, "qwen3", **MODEL))
         prompts = make_prompts(args.prompts)
         results = {"engine": bench_engine(path, prompts, args.n, args.new_tokens)}
+        print(f"engine: {results['engine']:.0f} tokens/s", flush=True)
         if not args.skip_hf:
             results["transformers generate (static batches of 4 prompts)"] = bench_generate(
                 path, prompts, args.n, args.new_tokens)
+            print(f"generate: {results['transformers generate (static batches of 4 prompts)']:.0f} tokens/s",
+                  flush=True)
             results["transformers generate_batch"] = bench_generate_batch(path, prompts, args.n, args.new_tokens)
         overhead = bench_step_overhead(path)
         pressure = [] if args.skip_pressure else bench_pressure(path)

@@ -17,20 +17,20 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 class _Group:
-    """Sequences padded to one [rows, max_q] x [rows, max_k] problem, with their shared masks."""
+    """Sequences padded to one [rows, max_q] x [rows, max_blocks * block_size] problem, with masks."""
 
     def __init__(self, meta: AttentionMetadata, rows: torch.Tensor, block_size: int) -> None:
         q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1])[rows].long()
         k_lens = meta.seq_lens[rows].long()
+        num_blocks = -(-int(k_lens.max()) // block_size)
         q_ar = torch.arange(int(q_lens.max()), device=rows.device)
-        k_ar = torch.arange(int(k_lens.max()), device=rows.device)
+        k_ar = torch.arange(num_blocks * block_size, device=rows.device)
         self.q_valid = q_ar[None, :] < q_lens[:, None]
         self.q_index = (meta.cu_seqlens_q[rows].long()[:, None] + q_ar[None, :])[self.q_valid]
-        blocks = meta.block_table[rows].long()[:, k_ar // block_size]
-        self.slots = blocks * block_size + (k_ar % block_size)[None, :]
+        self.blocks = meta.block_table[rows, :num_blocks].long()
         self.q_pos = (k_lens - q_lens)[:, None] + q_ar[None, :]
         self.k_pos = k_ar[None, None, :]
-        self.causal = (self.k_pos <= self.q_pos[:, :, None]) & (k_ar[None, None, :] < k_lens[:, None, None])
+        self.causal = (self.k_pos <= self.q_pos[:, :, None]) & (self.k_pos < k_lens[:, None, None])
         self.masks: dict[int | None, torch.Tensor] = {None: self.causal}
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -42,23 +42,30 @@ class _Group:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                     scale: float, sliding_window: int | None, softcap: float | None,
                     out: torch.Tensor) -> None:
-    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`."""
+    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`.
+
+    Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
+    views, so no per-token gather or transposed copy of the cache is made.
+    """
     rows, max_q = group.q_valid.shape
     h_q, d = q.shape[1], q.shape[2]
     h_kv = k_cache.shape[2]
+    g = h_q // h_kv
     qp = q.new_zeros(rows, max_q, h_q, d)
     qp[group.q_valid] = q[group.q_index]
-    qp = qp.view(rows, max_q, h_kv, h_q // h_kv, d).permute(0, 2, 3, 1, 4).reshape(rows, h_kv, -1, d)
-    keys = k_cache.view(-1, h_kv, d)[group.slots].transpose(1, 2)
-    values = v_cache.view(-1, h_kv, d)[group.slots].transpose(1, 2)
-    scores = torch.matmul(qp, keys.transpose(-1, -2)).mul_(scale)
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(rows, h_kv, h_q // h_kv, max_q, -1)
-    scores.masked_fill_(~group.mask(sliding_window)[:, None, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(rows, h_kv, -1, keys.shape[2])
-    res = torch.matmul(probs, values).view(rows, h_kv, h_q // h_kv, max_q, d)
-    out[group.q_index] = res.permute(0, 3, 1, 2, 4).reshape(rows, max_q, h_q, d)[group.q_valid]
+    keys = k_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
+    values = v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
+    hidden = ~group.mask(sliding_window)[:, None]
+    res = q.new_empty(rows, max_q, h_kv, g, d)
+    for h in range(h_kv):
+        qh = qp[:, :, h * g:(h + 1) * g].transpose(1, 2).reshape(rows, g * max_q, d)
+        scores = torch.bmm(qh, keys[:, :, h].transpose(1, 2)).mul_(scale)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(rows, g, max_q, -1).masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(rows, g * max_q, -1)
+        res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, d).transpose(1, 2)
+    out[group.q_index] = res.view(rows, max_q, h_q, d)[group.q_valid]
 
 
 class TorchBackend(AttentionBackend):
