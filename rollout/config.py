@@ -41,13 +41,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("device", self.device.split(":")[0], DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("block_size", "num_blocks", "max_batch_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be >= 1")
-        if self.cpu_offload_gib < 0:
-            raise ValueError(f"EngineConfig.cpu_offload_gib={self.cpu_offload_gib!r} must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len!r} must be >= 1")
+        _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len")
+        _bound(self, ">=", 0, "cpu_offload_gib")
 
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
@@ -74,15 +69,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     object_store_memory_gib: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "flush_rows"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"ServiceConfig.{name}={value!r} must be >= 1")
-        for name in ("cpus_per_worker", "placement_timeout_s", "object_store_memory_gib"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ServiceConfig.{name}={getattr(self, name)!r} must be > 0")
-        if self.flush_delay_s < 0:
-            raise ValueError(f"ServiceConfig.flush_delay_s={self.flush_delay_s!r} must be >= 0")
+        _bound(self, ">=", 1, "num_workers", "flush_rows")
+        _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib")
+        _bound(self, ">=", 0, "flush_delay_s")
         if not self.name or not self.namespace:
             raise ValueError("ServiceConfig.name and ServiceConfig.namespace must not be empty")
 
@@ -96,6 +85,14 @@ def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **ove
     config = convert({**data, **overrides, "engine": engine}, ServiceConfig)
     model = os.path.expanduser(config.engine.model)
     return msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, model=model))
+
+
+def _bound(struct: msgspec.Struct, op: str, bound: float, *names: str) -> None:
+    """ValueError naming the first of `names` (None is allowed) that is not `op bound`."""
+    for name in names:
+        value = getattr(struct, name)
+        if value is not None and not (value >= bound if op == ">=" else value > bound):
+            raise ValueError(f"{type(struct).__name__}.{name}={value!r} must be {op} {bound}")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
