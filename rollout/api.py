@@ -1,4 +1,5 @@
-"""The embedded API: `rollout.init`, `rollout.sample`, `rollout.shutdown` (loaded lazily by `rollout`)."""
+"""The embedded API: `rollout.init`, `rollout.sample`, `rollout.update_weights`, `rollout.init_weight_sync`,
+`rollout.shutdown` (loaded lazily by `rollout`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray
 from rollout.service import launch, stop
 from rollout.stream import RolloutStream, open_stream, sampling_params
+from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
-__all__ = ["init", "sample", "update_weights", "shutdown", "RolloutStream"]
+__all__ = ["init", "sample", "update_weights", "init_weight_sync", "shutdown", "RolloutStream"]
 
 _service: ActorHandle | None = None
 _owns_ray = False  # True when init started the local Ray, which shutdown then stops
+_weight_sync: WeightSync | None = None  # init_weight_sync's group, for update_weights(transport="broadcast")
 
 
 def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> None:
@@ -50,14 +53,34 @@ def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool =
     return open_stream(_service, prompts, params, progress)
 
 
-def update_weights(weights: Any, version: int) -> None:
-    """Hot-swap the policy weights of every worker (weight sync is a later issue)."""
-    raise NotImplementedError("rollout.update_weights is not implemented yet")
+def update_weights(source: WeightSource, version: int, mode: str = "continue", *,
+                   transport: str | None = None) -> None:
+    """Hot-swap the policy weights of every worker; returns once all hold `version`. `source` is a state dict
+    (sent through Ray's object store) or a checkpoint directory of safetensors on shared disk;
+    `transport="broadcast"` sends a state dict over the group of `init_weight_sync`. `mode`: "continue",
+    "abort" or "finish" (what happens to samples already started). See `rollout.weight_sync.push_weights`."""
+    push_weights(_running_service(), source, version, mode, transport, _weight_sync)
+
+
+def init_weight_sync(**options: Any) -> WeightSync:
+    """Form a torch.distributed broadcast group between this process (rank 0) and every worker, used by
+    later `update_weights(..., transport="broadcast")` calls; returns its `WeightSync` (options: see
+    `WeightSync.open`: host, port, backend, bucket_bytes, timeout_s)."""
+    global _weight_sync
+    _weight_sync = WeightSync.open(_running_service(), **options)
+    return _weight_sync
+
+
+def _running_service() -> ActorHandle:
+    if _service is None:
+        raise RuntimeError("rollout is not initialised; call rollout.init(...) first")
+    return _service
 
 
 def shutdown() -> None:
     """Stop the service's actors, and the local Ray if `init` started it."""
-    global _service, _owns_ray
+    global _service, _owns_ray, _weight_sync
+    _weight_sync = None
     if _service is not None:
         stop(_service)
         _service = None

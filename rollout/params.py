@@ -1,10 +1,12 @@
-"""Sampling parameters: the per-call contract between a trainer and the engines."""
+"""Sampling parameters, the per-call contract between a trainer and the engines, and the arguments of a
+weight update."""
 
 from __future__ import annotations
 
 import msgspec
 
 LOGPROBS_MODES = ("processed", "raw")
+UPDATE_MODES = ("continue", "abort", "finish")  # what a weight update does to samples already started
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -54,3 +56,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def _check(ok: bool, name: str, value, why: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} {why}")
+
+
+def check_update(version: int, mode: str) -> None:
+    """Raise ValueError unless `version` is an integer >= 0 and `mode` one of UPDATE_MODES (the arguments
+    every `update_weights` takes, checked where it is called)."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version={version!r} must be a non-negative integer")
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")

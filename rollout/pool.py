@@ -1,13 +1,16 @@
-"""The worker pool of a service: placement (one GPU per worker, or CPUs), start-up, routing by load, losses."""
+"""The worker pool of a service: placement (one GPU per worker, or CPUs), start-up, routing by load, losses
+and their replacement."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from typing import Any, Awaitable, Callable
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorAlreadyExistsError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -16,17 +19,27 @@ from workers.actor import RolloutWorker
 
 log = logging.getLogger(__name__)
 _RemoteWorker = ray.remote(RolloutWorker)
+_NAME_RELEASE_S = 60.0  # how long a lost worker's actor name may stay taken after it was killed
+
+# Readies a fresh worker (hands it the latest weights), then calls the second argument to admit it to routing.
+Prepare = Callable[[ActorHandle, Callable[[], None]], Awaitable[None]]
 
 
 class WorkerPool:
-    """The live worker actors of one service and the samples each still owes (its outstanding load)."""
+    """The live worker actors of one service and the samples each still owes (its outstanding load). A lost
+    worker is replaced by a fresh one under the same id, which takes work once `prepare` has readied it."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, prepare: Prepare) -> None:
         self.config = config
+        self.prepare = prepare
         self.placement = _placement_group(config)
-        count = len(self.placement.bundle_specs) if self.placement else config.num_workers or 1
-        self.workers: dict[int, ActorHandle] = {i: self._spawn(i) for i in range(count)}
+        self.size = len(self.placement.bundle_specs) if self.placement else config.num_workers or 1
+        self.workers: dict[int, ActorHandle] = {i: self._spawn(i) for i in range(self.size)}
         self.load = dict.fromkeys(self.workers, 0)
+        self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
+        self.replacing: dict[int, asyncio.Task] = {}
+        self.watches: dict[int, asyncio.Task] = {}
+        self.closed = False
 
     def _spawn(self, worker_id: int) -> ActorHandle:
         resources: dict = {"num_cpus": self.config.cpus_per_worker}
@@ -51,13 +64,36 @@ class WorkerPool:
                     f"{self.config.placement_timeout_s} s; the cluster has "
                     f"{ray.cluster_resources().get('GPU', 0)} GPUs") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
+        for worker, handle in self.workers.items():
+            if worker not in self.watches:
+                self._watch(worker, handle)
         return len(self.workers)
+
+    def _watch(self, worker: int, handle: ActorHandle) -> None:
+        """Notice the worker's death even while no call of it runs, so that it is replaced at once."""
+        self.watches[worker] = asyncio.get_running_loop().create_task(self._await_death(worker, handle))
+
+    async def _await_death(self, worker: int, handle: ActorHandle) -> None:
+        try:
+            await handle.alive.remote()
+        except RayActorError as err:
+            self.lose(worker, handle, err)
+
+    async def wait_live(self) -> None:
+        """Return once some worker takes work, waiting for replacements while every worker is down."""
+        while not self.workers and self.replacing:
+            await asyncio.wait(list(self.replacing.values()), return_when=asyncio.FIRST_COMPLETED)
+        if not self.workers:
+            raise RuntimeError("every worker of the service has died")
+
+    async def wait_replacements(self) -> None:
+        """Return once no replacement is under way."""
+        while self.replacing:
+            await asyncio.wait(list(self.replacing.values()))
 
     def assign(self, demands: dict[int, int]) -> dict[int, list[int]]:
         """Give each prompt (prompt index -> samples wanted) to the live worker with the least outstanding
-        load, largest demands first; the load counts the samples until `release`d."""
-        if not self.workers:
-            raise RuntimeError("every worker of the service has died")
+        load, largest demands first; the load counts the samples until `release`d. Call `wait_live` first."""
         plan: dict[int, list[int]] = {}
         for prompt, samples in sorted(demands.items(), key=lambda item: -item[1]):
             worker = min(self.load, key=self.load.__getitem__)
@@ -70,35 +106,91 @@ class WorkerPool:
         if worker in self.load:
             self.load[worker] -= samples
 
-    def lose(self, worker: int, reason: BaseException) -> None:
-        """Take a failed worker out of routing for good; killed, so that it can send nothing more."""
-        handle = self.workers.pop(worker, None)
-        if handle is None:
+    def lose(self, worker: int, handle: ActorHandle, reason: BaseException) -> None:
+        """Take a failed worker out of routing, killed so that it can send nothing more, and start its
+        replacement; a no-op when `handle` is no longer that worker (lost before, or replaced)."""
+        if self.workers.get(worker) is not handle:
             return
-        del self.load[worker]
-        log.warning("worker %d lost (%s); %d workers left", worker, type(reason).__name__, len(self.workers))
+        del self.workers[worker], self.load[worker]
+        log.warning("worker %d lost (%s); %d workers left, replacing it", worker, type(reason).__name__,
+                    len(self.workers))
         ray.kill(handle, no_restart=True)
+        if not self.closed:
+            self.replacing[worker] = asyncio.get_running_loop().create_task(self._replace(worker))
+
+    async def _replace(self, worker: int) -> None:
+        """Start a fresh worker under a lost one's id; it takes work once its engine has loaded and `prepare`
+        has handed it the latest weights. A replacement that fails is given up (the slot stays empty)."""
+        try:
+            handle = self.starting[worker] = await self._respawn(worker)
+            await handle.stats.remote()  # its engine has loaded
+            await self.prepare(handle, lambda: self._admit(worker))
+            log.warning("worker %d replaced", worker)
+        except Exception as err:
+            log.error("could not replace worker %d: %r", worker, err)
+            if worker in self.starting:
+                ray.kill(self.starting.pop(worker), no_restart=True)
+        finally:
+            self.replacing.pop(worker, None)
+
+    async def _respawn(self, worker: int) -> ActorHandle:
+        """`_spawn` as soon as Ray has released the lost worker's actor name."""
+        deadline = time.monotonic() + _NAME_RELEASE_S
+        while True:
+            try:
+                return self._spawn(worker)
+            except ActorAlreadyExistsError:  # the kill has not completed yet
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    def _admit(self, worker: int) -> None:
+        self.workers[worker] = self.starting.pop(worker)
+        self.load[worker] = 0
+        self._watch(worker, self.workers[worker])
+
+    async def call_any(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on the least-loaded live worker; if that worker is lost meanwhile, on another."""
+        while True:
+            await self.wait_live()
+            worker = min(self.load, key=self.load.__getitem__)
+            handle = self.workers[worker]
+            try:
+                return await getattr(handle, method).remote(*args)
+            except RayActorError as err:
+                self.lose(worker, handle, err)
 
     async def tokenize(self, prompts: list) -> list[list[int]]:
         """Token ids of `prompts`, validated by the least-loaded live worker's engine."""
-        while True:
-            worker = min(self.load, key=self.load.__getitem__, default=None)
-            if worker is None:
-                raise RuntimeError("every worker of the service has died")
-            try:
-                return await self.workers[worker].tokenize.remote(prompts)
-            except RayActorError as err:
-                self.lose(worker, err)
+        return await self.call_any("tokenize", prompts)
+
+    async def call_all(self, method: str, *args: Any) -> dict[int, Any]:
+        """`method(*args)` on every live worker at once; results by worker id. Workers lost meanwhile are
+        left out (and replaced); any other error is raised once every call has ended."""
+        workers = dict(self.workers)
+        results = await asyncio.gather(*(getattr(h, method).remote(*args) for h in workers.values()),
+                                       return_exceptions=True)
+        for (worker, handle), result in zip(workers.items(), results):
+            if isinstance(result, RayActorError):
+                self.lose(worker, handle, result)
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, RayActorError)]
+        if errors:
+            raise errors[0]
+        return {worker: result for worker, result in zip(workers, results) if worker in self.workers}
 
     async def stats(self) -> dict[int, dict]:
         """Engine counters of every live worker, with its outstanding load."""
-        stats = await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
-        return {i: {**s, "outstanding": self.load[i]} for i, s in zip(self.workers, stats)}
+        stats = await self.call_all("stats")
+        return {i: {**s, "outstanding": self.load[i]} for i, s in stats.items()}
 
     def shutdown(self) -> None:
-        """Kill every worker and free the placement group."""
-        for worker in list(self.workers):
-            ray.kill(self.workers.pop(worker), no_restart=True)
+        """Stop replacing, kill every worker (replacements under way included) and free the placement group."""
+        self.closed = True
+        for task in [*self.replacing.values(), *self.watches.values()]:
+            task.cancel()
+        for workers in (self.workers, self.starting):
+            for worker in list(workers):
+                ray.kill(workers.pop(worker), no_restart=True)
         self.load.clear()
         if self.placement:
             remove_placement_group(self.placement)

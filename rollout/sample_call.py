@@ -11,6 +11,7 @@ from typing import AsyncIterator
 import pyarrow as pa
 import ray
 from ray import ObjectRefGenerator
+from ray.actor import ActorHandle
 from ray.exceptions import ObjectLostError, RayActorError
 
 from rollout.params import SamplingParams
@@ -22,10 +23,11 @@ _LOST = (RayActorError, ObjectLostError)  # the worker (or its node) died: resen
 
 
 class _Stream:
-    """One worker's part of a call: its generator, prompts, and the samples it still owes."""
+    """One worker's part of a call: the worker, its generator, prompts, and the samples it still owes."""
 
-    def __init__(self, worker: int, prompts: list[int], owed: int, generator: ObjectRefGenerator) -> None:
-        self.worker, self.prompts, self.owed, self.generator = worker, prompts, owed, generator
+    def __init__(self, worker: int, handle: ActorHandle, prompts: list[int], owed: int,
+                 generator: ObjectRefGenerator) -> None:
+        self.worker, self.handle, self.prompts, self.owed, self.generator = worker, handle, prompts, owed, generator
         self.pump_task: asyncio.Task | None = None
 
     async def pump(self, events: asyncio.Queue) -> None:
@@ -68,7 +70,7 @@ class SampleCall:
                     yield item
                 elif isinstance(item, _LOST):
                     self._drop(stream)
-                    self.pool.lose(stream.worker, item)
+                    self.pool.lose(stream.worker, stream.handle, item)
                     await self._send([i for i in stream.prompts if self.missing[i]])
                 elif item is _END:
                     self._drop(stream)
@@ -84,6 +86,7 @@ class SampleCall:
     async def _send(self, prompts: list[int]) -> None:
         """Route the missing samples of `prompts` and open their streams; a worker lost before it
         acknowledged its share has that share routed again."""
+        await self.pool.wait_live()
         plan = self.pool.assign({i: len(self.missing[i]) for i in prompts})
         # Wait for every share before raising, so that each opened stream is known when the call ends.
         results = await asyncio.gather(*(self._open(w, share) for w, share in plan.items()),
@@ -99,15 +102,15 @@ class SampleCall:
         """Open one worker's stream for `prompts` and wait for its acknowledgement; returns the prompts
         to route again if the worker is lost (a rejected request raises instead)."""
         groups = [PromptGroup(i, self.prompts[i], sorted(self.missing[i])) for i in prompts]
-        generator = self.pool.workers[worker].generate.remote(
-            f"{self.call_id}.{next(self._serial)}", groups, self.params)
-        stream = _Stream(worker, prompts, sum(len(g.sample_indices) for g in groups), generator)
+        handle = self.pool.workers[worker]
+        generator = handle.generate.remote(f"{self.call_id}.{next(self._serial)}", groups, self.params)
+        stream = _Stream(worker, handle, prompts, sum(len(g.sample_indices) for g in groups), generator)
         self.streams.append(stream)
         try:
             await (await generator.__anext__())
         except _LOST as err:
             self._drop(stream)
-            self.pool.lose(worker, err)
+            self.pool.lose(worker, handle, err)
             return prompts
         stream.pump_task = asyncio.create_task(stream.pump(self.events))
         return []

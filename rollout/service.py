@@ -13,13 +13,17 @@ from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 from rollout.sample_call import SampleCall
+from rollout.weight_updates import WeightUpdates
+from workers.messages import WeightGroup, WeightUpdate
 
 
 class RolloutService:
-    """A Ray actor (async: calls from many drivers stream at once) that routes prompts to its workers."""
+    """A Ray actor (async: calls from many drivers stream at once) that routes prompts to its workers and
+    applies weight updates to all of them."""
 
     def __init__(self, config: ServiceConfig) -> None:
-        self.pool = WorkerPool(config)
+        self.weights = WeightUpdates(config)
+        self.pool = WorkerPool(config, prepare=self.weights.replay)
 
     async def ready(self) -> int:
         """Wait until every worker's engine has loaded; returns the number of workers."""
@@ -34,11 +38,28 @@ class RolloutService:
             yield item
 
     async def stats(self) -> dict[int, dict]:
-        """Engine counters and outstanding load of every live worker, by worker id."""
+        """Engine counters, weights version and outstanding load of every live worker, by worker id."""
         return await self.pool.stats()
 
-    def shutdown(self) -> None:
-        """Kill the workers and free their placement; the actor itself is killed by the caller."""
+    async def check_weights(self, update: WeightUpdate) -> None:
+        """Raise ValueError if the engines would refuse the update's tensors; changes nothing."""
+        await self.weights.check(self.pool, update)
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        """Check the update, apply it on every worker; returns once every live worker has its version."""
+        await self.weights.apply(self.pool, update)
+
+    async def weight_group_spec(self, backend: str | None) -> tuple[int, str]:
+        """World size and backend of a new broadcast group (see `init_weight_sync`)."""
+        return await self.weights.group_spec(self.pool, backend)
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Have every worker join the trainer's broadcast group; returns once all have."""
+        await self.weights.join_group(self.pool, group)
+
+    async def shutdown(self) -> None:
+        """Stop replacing workers, kill them and free their placement; the actor itself is killed by the
+        caller. (Async, so that it runs on the event loop that owns the replacement tasks it cancels.)"""
         self.pool.shutdown()
 
 

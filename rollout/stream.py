@@ -42,7 +42,7 @@ class RolloutStream:
         self._generator = generator
         self._open = True
         try:
-            self.total: int = _get(next(generator))  # the acknowledgement: prompts valid and queued
+            self.total: int = get_result(next(generator))  # the acknowledgement: prompts valid and queued
         except BaseException:
             self.cancel()
             raise
@@ -51,7 +51,7 @@ class RolloutStream:
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         try:
             for ref in self._generator:
-                batch = _get(ref)
+                batch = get_result(ref)
                 self._bar.update(batch.num_rows)
                 yield batch
             self._open = False
@@ -81,7 +81,7 @@ class RolloutStream:
             self.cancel()
 
 
-def _get(ref: ray.ObjectRef) -> Any:
+def get_result(ref: ray.ObjectRef) -> Any:
     """`ray.get`, raising the original error of a failed worker or service call rather than Ray's wrapper."""
     try:
         return ray.get(ref)

@@ -75,6 +75,12 @@ def hf_model(path: str) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_greedy(path: str, prompt: list[int], new: int = 10) -> list[int]:
+    """`new` greedy tokens after `prompt` from plain transformers `generate` (eos ignored)."""
+    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
 def random_prompts(count: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
     """`count` prompts of random tokens (avoiding the special ids 0 and 1) with mixed lengths."""
     gen = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import hf_model, make_engine, random_prompts, run
+from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 
@@ -17,23 +17,18 @@ def policies(model_dir):
     return model_dir("qwen3"), model_dir("qwen3", seed=1)
 
 
-def generate(path: str, prompt: list[int], new: int = 10) -> list[int]:
-    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("as_dir", [False, True], ids=["state_dict", "checkpoint_dir"])
 def test_update_then_greedy_matches_new_model(policies, as_dir):
     old, new = policies
     prompt = random_prompts(1, 512, (40, 40), seed=50)[0]
     engine = make_engine(old)
-    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == generate(old, prompt)
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(old, prompt)
     cached_before = engine.stats()["cached_prefix_tokens"]
     params_before = engine.runner.model.model.embed_tokens.weight.data_ptr()
     engine.update_weights(new if as_dir else hf_model(new).state_dict(), version=1)
     assert engine.runner.model.model.embed_tokens.weight.data_ptr() == params_before, "copied in place"
     row = run(engine, [prompt], GREEDY)[(0, 0)]
-    assert row["token_ids"] == generate(new, prompt)
+    assert row["token_ids"] == hf_greedy(new, prompt)
     assert row["policy_version"] == row["first_policy_version"] == 1
     assert engine.stats()["cached_prefix_tokens"] == cached_before, "KV of the old weights is not reused"
 
@@ -53,7 +48,7 @@ def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
     with pytest.raises(ValueError, match=match):
         engine.update_weights(state, version=1)
     assert engine.policy_version == 0
-    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == generate(old, prompt)
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(old, prompt)
 
 
 def test_bad_mode_and_source(policies, tmp_path):
@@ -93,7 +88,7 @@ def test_mode_continue_spans_versions(policies):
     for row in rows.values():
         assert row["token_policy_versions"] == [0] * 4 + [7] * 6
         assert (row["first_policy_version"], row["policy_version"]) == (0, 7)
-        assert row["token_ids"][:4] == generate(old, prompt)[:4]
+        assert row["token_ids"][:4] == hf_greedy(old, prompt)[:4]
 
 
 def test_mode_abort_ends_started_samples_and_keeps_queued_ones(policies):
@@ -107,7 +102,7 @@ def test_mode_abort_ends_started_samples_and_keeps_queued_ones(policies):
     assert all(r["finish_reason"] == "abort" and r["policy_version"] == 0 and len(r["token_ids"]) == 3
                for r in aborted)
     rest = finish(engine, rows)
-    assert [rest[(1, s)]["token_ids"] for s in range(2)] == [generate(new, prompts[1])] * 2
+    assert [rest[(1, s)]["token_ids"] for s in range(2)] == [hf_greedy(new, prompts[1])] * 2
     assert all(rest[(1, s)]["policy_version"] == 2 for s in range(2))
 
 
@@ -119,7 +114,7 @@ def test_mode_finish_drains_on_old_weights(policies):
     drained = engine.update_weights(new, version=3, mode="finish")
     assert sorted(r["sample_index"] for r in drained) == [0, 1]
     assert all(r["finish_reason"] == "length" and r["policy_version"] == 0 for r in drained)
-    assert all(r["token_ids"] == generate(old, prompts[0]) for r in drained)
+    assert all(r["token_ids"] == hf_greedy(old, prompts[0]) for r in drained)
     rest = finish(engine, rows)
-    assert all(rest[(1, s)]["token_ids"] == generate(new, prompts[1]) for s in range(2))
+    assert all(rest[(1, s)]["token_ids"] == hf_greedy(new, prompts[1]) for s in range(2))
     assert all(rest[(1, s)]["policy_version"] == 3 for s in range(2))

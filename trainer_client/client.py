@@ -9,13 +9,16 @@ import ray
 from ray.actor import ActorHandle
 
 from rollout.stream import RolloutStream, open_stream, sampling_params
+from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
 
 class RolloutClient:
-    """Samples from a running service (e.g. started by `rollout serve`) exactly like `rollout.sample`."""
+    """Samples from a running service (e.g. started by `rollout serve`) and updates its weights exactly like
+    `rollout.sample` and `rollout.update_weights`."""
 
     def __init__(self, service: ActorHandle) -> None:
         self.service = service
+        self.weight_sync: WeightSync | None = None
 
     @classmethod
     def connect(cls, name: str = "rollout", namespace: str = "rollout", address: str = "auto",
@@ -44,5 +47,17 @@ class RolloutClient:
         return open_stream(self.service, prompts, sampling_params(n, sampling), progress)
 
     def stats(self) -> dict[int, dict]:
-        """Engine counters and outstanding load of every live worker of the service."""
+        """Engine counters, weights version and outstanding load of every live worker of the service."""
         return ray.get(self.service.stats.remote())
+
+    def update_weights(self, source: WeightSource, version: int, mode: str = "continue", *,
+                       transport: str | None = None) -> None:
+        """Hot-swap the policy weights of every worker; returns once all hold `version` (see
+        `rollout.update_weights`; `transport="broadcast"` needs `init_weight_sync` first)."""
+        push_weights(self.service, source, version, mode, transport, self.weight_sync)
+
+    def init_weight_sync(self, **options: Any) -> WeightSync:
+        """Form the broadcast group between this process (rank 0) and every worker (see
+        `rollout.init_weight_sync`); later `update_weights(..., transport="broadcast")` calls use it."""
+        self.weight_sync = WeightSync.open(self.service, **options)
+        return self.weight_sync

@@ -1,26 +1,32 @@
-"""The worker actor: owns one engine (on its loop thread) and streams each call's samples as Arrow batches."""
+"""The worker actor: owns one engine (on its loop thread), streams each call's samples as Arrow batches, and
+takes weight updates."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator
 
+import numpy as np
 import pyarrow as pa
+import ray
 
 from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
 from workers.loop import EngineLoop
-from workers.messages import PromptGroup
+from workers.messages import PromptGroup, TensorMeta, WeightGroup, WeightUpdate
 
 
 class RolloutWorker:
     """A Ray actor (async, so many calls stream at once) around one `Engine` and its `EngineLoop`."""
 
     def __init__(self, config: ServiceConfig, worker_id: int) -> None:
-        from workers.engine import Engine  # heavy (torch, transformers): only inside the actor process
+        # heavy (torch, transformers): imported only inside the actor process
+        from workers.engine import Engine
+        from workers.weight_receiver import WeightReceiver
 
         self.loop = EngineLoop(Engine(config.engine, worker_id=worker_id), config.flush_rows,
                                config.flush_delay_s)
+        self.weights = WeightReceiver(self.loop)
 
     async def generate(self, call_id: str, groups: list[PromptGroup],
                        params: SamplingParams) -> AsyncIterator[pa.RecordBatch | None]:
@@ -47,5 +53,31 @@ class RolloutWorker:
         return await asyncio.wrap_future(self.loop.submit(self.loop.engine.tokenize, prompts))
 
     async def stats(self) -> dict[str, int]:
-        """The engine's counters; the first call also tells that the engine has loaded."""
+        """The engine's counters and weights version; the first call also tells that the engine has loaded."""
         return await asyncio.wrap_future(self.loop.submit(self.loop.engine.stats))
+
+    async def alive(self) -> None:
+        """Pending for as long as this worker lives: the service awaits it to notice a death at once."""
+        await asyncio.Event().wait()
+
+    async def check_weights(self, tensors: list[TensorMeta]) -> None:
+        """Raise ValueError unless tensors of these names, shapes and dtypes would be accepted; changes nothing."""
+        await self.weights.check(tensors)
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Fetch or receive the update's weights, then swap them in between two engine steps; returns the
+        new version. Rows of samples ending meanwhile stream to their calls as usual."""
+        await self.weights.apply(update)
+        return update.version
+
+    async def join_weight_group(self, group: WeightGroup, rank: int) -> None:
+        """Become `rank` of the trainer's broadcast group (listening on this node's address)."""
+        await asyncio.to_thread(self.weights.join, group, rank, ray.util.get_node_ip_address())
+
+    @ray.method(num_returns=2)
+    async def export_weights(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The engine's weights as numpy arrays, and first their size in bytes. As return values they are
+        owned by the caller, so they outlive this worker: the service keeps them to replay a broadcast update
+        into a replacement worker."""
+        arrays = await self.weights.export()
+        return sum(a.nbytes for a in arrays.values()), arrays

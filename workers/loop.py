@@ -1,5 +1,6 @@
-"""The engine loop: one thread owns an `Engine`, steps it, and hands every call's finished samples back as
-record batches, flushed by row count or after a short delay. Ray-free, so it runs under any actor."""
+"""The engine loop: one thread owns an `Engine`, steps it (and swaps its weights between steps), and hands
+every call's finished samples back as record batches, flushed by row count or after a short delay. Ray-free,
+so it runs under any actor."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ class EngineLoop:
     def close(self, call_id: str) -> Future:
         """Abort the unfinished samples of a call and drop its pending rows: its consumer went away."""
         return self.submit(self._close, call_id)
+
+    def update(self, source: Any, version: int, mode: str) -> Future:
+        """Swap the engine's weights between two steps (`Engine.update_weights`). Rows of the samples that
+        end meanwhile (aborted, or finished by a "finish" drain) go to their calls like rows from a step,
+        and a drain keeps flushing them while it runs."""
+        return self.submit(self.engine.update_weights, source, version, mode, self._deliver_now)
 
     def _open(self, call_id: str, groups: list[PromptGroup], params: SamplingParams, emit: Emit) -> None:
         if self._error is not None:
@@ -106,7 +113,16 @@ class EngineLoop:
         except Exception as err:
             self._fail(err)
             return
+        self._deliver(rows, time.monotonic())
+
+    def _deliver_now(self, rows: list[dict]) -> None:
+        """Hand rows to their calls and flush what is due, from inside a long engine call."""
         now = time.monotonic()
+        self._deliver(rows, now)
+        self._flush(now)
+
+    def _deliver(self, rows: list[dict], now: float) -> None:
+        """Queue each finished sample's row on its call (rows of closed calls are dropped)."""
         for row in rows:
             call = self._calls.get(self._owners.get(row["request_id"].rsplit("/", 1)[0], ""))
             if call is None:

@@ -1,6 +1,9 @@
-"""Messages between the service and its workers (msgspec structs in an importable module, so Ray can pickle them)."""
+"""Messages between a trainer, the service and its workers (msgspec structs in an importable module, so Ray can
+pickle them)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -12,3 +15,44 @@ class PromptGroup(msgspec.Struct, frozen=True):
     prompt_index: int
     token_ids: list[int]
     sample_indices: list[int]
+
+
+class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
+    """Name, dtype (torch's name, e.g. "bfloat16") and shape of one tensor of a weight update."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+TRANSPORTS = ("object_store", "checkpoint", "broadcast")
+
+
+class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """One policy update as the service and its workers see it: the new version, what happens to samples
+    already started (`mode`), every tensor's metadata, and where the data comes from (`transport`):
+    `arrays`, an ObjectRef of {name: numpy array} ("object_store"); `path`, a directory of *.safetensors
+    on shared disk ("checkpoint"); or the flat buckets the trainer broadcasts, each a list of indices into
+    `tensors` of one dtype ("broadcast")."""
+
+    version: int
+    mode: str
+    transport: str
+    tensors: list[TensorMeta]
+    arrays: Any = None
+    path: str | None = None
+    buckets: list[list[int]] = []
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightGroup(msgspec.Struct, frozen=True):
+    """Where the broadcast group of a trainer (rank 0) and the workers (ranks 1..world_size-1) meets: the
+    trainer's TCP store, the torch.distributed backend ("gloo" or "nccl"), the collectives' timeout."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Callable
 
 import pyarrow as pa
 import torch
@@ -11,7 +12,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams
+from rollout.params import SamplingParams, check_update
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
@@ -21,7 +22,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
 from workers.engine.weights import WeightSource, check_weights, copy_weights, load_source
 
-UPDATE_MODES = ("continue", "abort", "finish")
+Rows = Callable[[list[dict]], None]
 
 
 class Engine:
@@ -116,39 +117,47 @@ class Engine:
             rows += [self._row(seq, index, "abort") for index in seq.sample_indices]
         return rows
 
-    def update_weights(self, source: WeightSource, version: int, mode: str = "continue") -> list[dict]:
+    def update_weights(self, source: WeightSource, version: int, mode: str = "continue",
+                       on_rows: Rows | None = None) -> list[dict]:
         """Swap in new policy weights (a state dict or a safetensors checkpoint directory), validated
         first and copied in place; KV computed before is never matched by later prompts.
 
         `mode` decides what happens to samples already started: "continue" (they go on under the new
         weights), "abort" (they end now, finish_reason "abort"), "finish" (they finish on the old
-        weights first). Returns the rows of samples that ended meanwhile; unstarted requests stay
+        weights first). Returns the rows of samples that ended meanwhile, or, with `on_rows`, hands
+        them to it as they end (each step of a "finish" drain) and returns []; unstarted requests stay
         queued and run on the new weights.
         """
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version={version!r} must be a non-negative integer")
+        check_update(version, mode)
         pairs = check_weights(self.runner.model, load_source(source))
-        rows = []
+        rows: list[dict] = []
+        emit = on_rows or rows.extend
         if mode == "abort":
-            rows = self._abort([s for s in self.scheduler.sequences() if s.started])
+            emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
         elif mode == "finish":
-            rows = self._drain()
+            self._drain(emit)
         copy_weights(pairs)
         self.policy_version = version
         self.scheduler.hash_root = hash_block(0, [version])
         return rows
 
-    def _drain(self) -> list[dict]:
-        """Step until every started sample has finished, admitting nothing new."""
-        rows, self.scheduler.admit_new = [], False
+    def _drain(self, emit: Rows) -> None:
+        """Step until every started sample has finished, admitting nothing new; each step's rows go to `emit`."""
+        self.scheduler.admit_new = False
         try:
             while any(s.started for s in self.scheduler.sequences()):
-                rows += self.step()
+                emit(self.step())
         finally:
             self.scheduler.admit_new = True
-        return rows
+
+    def validate_weights(self, source: WeightSource) -> None:
+        """Raise the ValueError `update_weights` would (names, shapes, dtypes); copies nothing. Tensors on
+        the "meta" device are enough."""
+        check_weights(self.runner.model, load_source(source))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's current weights by name (the parameters themselves, not copies)."""
+        return self.runner.model.state_dict()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -250,9 +259,10 @@ class Engine:
         return sort_samples(pa.Table.from_batches([samples_to_batch(rows)]))
 
     def stats(self) -> dict[str, int]:
-        """Counters since start, and the block pool's current state."""
+        """Counters since start, the weights version, and the block pool's current state."""
         sched, swapper = self.scheduler, self.scheduler.swapper
-        return {**self.counters, "cached_prefix_tokens": sched.cached_prefix_tokens,
+        return {**self.counters, "policy_version": self.policy_version,
+                "cached_prefix_tokens": sched.cached_prefix_tokens,
                 "offloads": swapper.offloads, "restores": swapper.restores, "recomputes": sched.recomputes,
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_cached": len(self.pool.cached), "cpu_blocks_total": self.cpu_pool.num_blocks if

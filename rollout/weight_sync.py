@@ -1,0 +1,98 @@
+"""The trainer's side of weight updates, shared by `rollout.update_weights` and `RolloutClient.update_weights`.
+The transport follows the source: a state dict goes through Ray's object store (put once, read zero-copy by
+every worker), a path is a checkpoint directory of safetensors on shared disk; `transport="broadcast"` sends
+over a torch.distributed group formed once with `WeightSync.open`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import ray
+import torch
+from ray.actor import ActorHandle
+
+from rollout.params import check_update
+from rollout.stream import get_result
+from workers.messages import TRANSPORTS, WeightGroup, WeightUpdate
+from workers.weight_format import check_state_dict, checkpoint_tensors, describe, pack, plan_buckets, to_numpy
+from workers.weight_group import broadcast, group_device, host_store, open_group
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+WeightSource = Mapping[str, torch.Tensor] | str | Path
+
+
+def push_weights(service: ActorHandle, source: WeightSource, version: int, mode: str = "continue",
+                 transport: str | None = None, sync: WeightSync | None = None) -> None:
+    """Make `source` policy `version` on every worker of `service`; returns once all hold it. `transport`
+    defaults to "checkpoint" for a path and "object_store" for a state dict; "broadcast" goes through `sync`.
+    Bad arguments raise ValueError before anything is sent; tensors the engines refuse (a missing name, a
+    wrong shape or dtype) raise ValueError with every worker left on its old weights and version."""
+    check_update(version, mode)
+    transport = transport or ("checkpoint" if isinstance(source, (str, Path)) else "object_store")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} must be one of {TRANSPORTS}")
+    if transport == "broadcast":
+        if sync is None:
+            raise RuntimeError("transport='broadcast' needs a broadcast group: call init_weight_sync() first")
+        sync.update_weights(source, version, mode)
+        return
+    get_result(service.update_weights.remote(_update(source, version, mode, transport)))
+
+
+def _update(source: WeightSource, version: int, mode: str, transport: str) -> WeightUpdate:
+    """The message of an object-store or checkpoint update (an object-store update puts the data once)."""
+    if transport == "checkpoint":
+        if not isinstance(source, (str, Path)):
+            raise ValueError(f"transport='checkpoint' needs a directory path, got {type(source).__name__}")
+        path = Path(source).expanduser().resolve()  # workers do not share this process's working directory
+        return WeightUpdate(version=version, mode=mode, transport=transport, tensors=checkpoint_tensors(path),
+                            path=str(path))
+    state = check_state_dict(source)
+    return WeightUpdate(version=version, mode=mode, transport=transport, tensors=describe(state),
+                        arrays=ray.put(to_numpy(state)))
+
+
+class WeightSync:
+    """A broadcast group between this process (rank 0, serving the group's TCP store) and every worker of a
+    service (ranks 1..W), formed once by `open`. Each `update_weights` sends the metadata (names, shapes,
+    dtypes, bucket layout) in one Ray call per worker and the tensors as flat one-dtype buckets."""
+
+    def __init__(self, service: ActorHandle, store: Any, group: Any, backend: str, bucket_bytes: int) -> None:
+        self.service, self.store, self.group = service, store, group
+        self.backend, self.bucket_bytes = backend, bucket_bytes
+
+    @classmethod
+    def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0) -> WeightSync:
+        """Form the group with every live worker of `service`. This process serves the TCP store and listens
+        for its peers on `host` (default: this node's Ray address; 127.0.0.1 under an embedded local Ray),
+        `port` 0 picks a free port. `backend` defaults to "nccl" for CUDA engines and "gloo" otherwise. A
+        collective that waits longer than `timeout_s` fails."""
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 1")
+        world_size, backend = get_result(service.weight_group_spec.remote(backend))
+        host = host or ray.util.get_node_ip_address()
+        store = host_store(host, port, timeout_s)
+        joined = service.join_weight_group.remote(WeightGroup(host, store.port, world_size, backend, timeout_s))
+        group = open_group(store, 0, world_size, backend, host, timeout_s)  # returns once every worker joined
+        get_result(joined)
+        return cls(service, store, group, backend, bucket_bytes)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "continue") -> None:
+        """Broadcast `state_dict` as policy `version`; returns once every worker holds it. Tensors the engines
+        refuse raise ValueError before anything is sent."""
+        check_update(version, mode)
+        tensors = describe(check_state_dict(state_dict))
+        update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
+                              buckets=plan_buckets(tensors, self.bucket_bytes))
+        get_result(self.service.check_weights.remote(update))
+        applied = self.service.update_weights.remote(update)
+        device = group_device(self.backend)
+        try:
+            for bucket in update.buckets:
+                broadcast(self.group, pack(state_dict, tensors, bucket, device))
+        except Exception:
+            get_result(applied)  # a worker that failed first says why
+            raise
+        get_result(applied)

@@ -1,0 +1,90 @@
+"""The service's side of weight updates: one at a time, checked on one worker before any worker changes (all
+workers hold the same model), applied on every worker at once, and kept as the replay source that a
+replacement worker receives before it takes work. Also gives the workers their ranks in a broadcast group."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import msgspec
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+from rollout.config import ServiceConfig
+from rollout.pool import WorkerPool
+from workers.messages import BACKENDS, WeightGroup, WeightUpdate
+
+
+class WeightUpdates:
+    """The weights state of one service: the latest update (its replay source) and the broadcast group."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.device = config.engine.device
+        self.lock = asyncio.Lock()  # held while an update applies, a replay runs, or a group forms
+        self.latest: WeightUpdate | None = None
+        self.group: dict[int, ActorHandle] = {}  # the workers of the current broadcast group
+
+    async def check(self, pool: WorkerPool, update: WeightUpdate) -> None:
+        """Raise before anything changes: ValueError naming the tensors the engines refuse (missing,
+        unexpected, wrong shape or dtype), RuntimeError if a broadcast group no longer matches the workers."""
+        if update.transport == "broadcast" and self.group != pool.workers:
+            raise RuntimeError("the workers changed since init_weight_sync() (one was lost or replaced); "
+                               "call init_weight_sync() again before a broadcast update")
+        await pool.call_any("check_weights", update.tensors)
+
+    async def apply(self, pool: WorkerPool, update: WeightUpdate) -> None:
+        """Check `update`, then apply it on every live worker and keep it for replay. A worker lost meanwhile
+        is replaced and its replacement gets this update before it takes work."""
+        await self.check(pool, update)
+        async with self.lock:
+            await pool.call_all("update_weights", update)
+            self.latest = await self._replay_source(pool, update)
+
+    async def _replay_source(self, pool: WorkerPool, update: WeightUpdate) -> WeightUpdate:
+        """What a replacement receives: the update itself (object-store ref or checkpoint path), or for a
+        broadcast a copy of the new weights that one worker returns into the object store (owned by this
+        service, so it outlives that worker)."""
+        replay = msgspec.structs.replace(update, mode="continue")
+        if update.transport != "broadcast":
+            return replay
+        for worker, handle in sorted(pool.workers.items()):
+            size, arrays = handle.export_weights.remote()
+            try:
+                await size
+            except RayActorError as err:
+                pool.lose(worker, handle, err)
+                continue
+            return msgspec.structs.replace(replay, transport="object_store", arrays=arrays, buckets=[])
+        raise RuntimeError("every worker was lost before the broadcast weights could be kept for replay")
+
+    async def replay(self, handle: ActorHandle, admit: Callable[[], None]) -> None:
+        """Give a fresh worker the latest weights and version, then `admit` it to routing, with no update
+        in between."""
+        async with self.lock:
+            if self.latest is not None:
+                await handle.update_weights.remote(self.latest)
+            admit()
+
+    async def group_spec(self, pool: WorkerPool, backend: str | None) -> tuple[int, str]:
+        """The size (trainer + live workers) and backend of a new broadcast group; the backend defaults to
+        NCCL for CUDA engines and gloo otherwise."""
+        backend = backend or ("nccl" if self.device.startswith("cuda") else "gloo")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+        if backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(f"backend 'nccl' needs CUDA engines; engine.device is {self.device!r}")
+        await pool.wait_replacements()
+        await pool.wait_live()
+        return len(pool.workers) + 1, backend
+
+    async def join_group(self, pool: WorkerPool, group: WeightGroup) -> None:
+        """Have every live worker join the trainer's broadcast group, ranks 1.. in worker-id order."""
+        async with self.lock:
+            if group.world_size != len(pool.workers) + 1:
+                raise RuntimeError(f"the workers changed while the group formed ({len(pool.workers)} live, "
+                                   f"world_size={group.world_size}); call init_weight_sync() again")
+            workers = dict(sorted(pool.workers.items()))
+            await asyncio.gather(*(h.join_weight_group.remote(group, rank)
+                                   for rank, h in enumerate(workers.values(), start=1)))
+            self.group = workers

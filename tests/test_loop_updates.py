@@ -1,0 +1,47 @@
+"""The engine loop applies weight updates between steps; rows of samples that end during the update reach
+their calls as they end, also while a "finish" update drains. No Ray."""
+
+from __future__ import annotations
+
+import threading
+
+from rollout import SamplingParams
+from tests.conftest import hf_model, make_engine, random_prompts
+from workers.loop import EngineLoop
+from workers.messages import PromptGroup
+
+
+def test_finish_update_streams_rows_while_its_drain_runs(model_dir):
+    """A short and a long sample run; a "finish" update drains both on the old weights. The short one's
+    batch must reach its call while the long one still runs (inside the update), not after the drain."""
+    loop = EngineLoop(make_engine(model_dir("qwen3")), flush_rows=64, flush_delay_s=0.01)
+    new_weights = hf_model(model_dir("qwen3", seed=1)).state_dict()
+    seen: dict[str, list] = {"short": [], "long": []}
+    done = {name: threading.Event() for name in seen}
+
+    def emit(name: str):
+        def receive(item):
+            seen[name].append((item, loop.engine.has_unfinished()))  # runs on the loop thread
+            if item is None or isinstance(item, BaseException):
+                done[name].set()
+        return receive
+
+    prompts = random_prompts(2, 512, (8, 8), seed=60)
+    for name, prompt, new in [("short", prompts[0], 30), ("long", prompts[1], 150)]:
+        params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+        loop.open(name, [PromptGroup(0, prompt, [0])], params, emit(name)).result()
+    while loop.submit(loop.engine.stats).result()["decode_tokens"] < 2:  # both have started
+        pass
+    paused, resume = threading.Event(), threading.Event()
+    loop.submit(lambda: (paused.set(), resume.wait()))  # hold the loop between two steps
+    paused.wait()
+    assert not seen["short"], "the short sample must still be running when the update starts"
+    update = loop.update(new_weights, 1, "finish")
+    resume.set()
+    update.result(timeout=60)
+    assert all(event.wait(10) for event in done.values())
+    assert seen["short"][0][1], "the short sample's batch was sent while the drain still ran"
+    for name, new in [("short", 30), ("long", 150)]:
+        row = seen[name][0][0].to_pylist()[0]
+        assert (row["finish_reason"], len(row["token_ids"]), row["policy_version"]) == ("length", new, 0)
+    assert loop.submit(loop.engine.stats).result()["policy_version"] == 1

@@ -1,0 +1,190 @@
+"""Weight updates through the service (two CPU workers): every transport gives the outputs of a model holding
+the new weights, the exact versions in rows for each mode, no reuse of KV cached before; refused weights
+change nothing; a killed worker is replaced and serves the current version."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import ray
+import torch
+
+import rollout
+from tests.conftest import hf_greedy, hf_model, random_prompts
+from trainer_client import RolloutClient
+
+PROMPT = random_prompts(1, 512, (40, 40), seed=70)[0]
+_versions = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def policies(model_dir):
+    """Two checkpoints of one architecture with different random weights."""
+    return model_dir("qwen3"), model_dir("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def client(policies):
+    rollout.init(model=policies[0], num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8,
+                 num_blocks=256, object_store_memory_gib=0.5)
+    yield RolloutClient.connect(name="rollout", namespace="rollout")
+    rollout.shutdown()
+
+
+@pytest.fixture(scope="module")
+def states(policies):
+    """The state dicts of both checkpoints, as a trainer would hold them."""
+    return {path: hf_model(path).state_dict() for path in policies}
+
+
+def versions(client: RolloutClient) -> set[int]:
+    return {s["policy_version"] for s in client.stats().values()}
+
+
+def set_weights(path: str) -> int:
+    """Load the checkpoint `path` on every worker under a fresh version; returns the version."""
+    version = next(_versions)
+    rollout.update_weights(path, version)
+    return version
+
+
+def greedy(prompts: list[list[int]], new: int = 10, **sampling) -> list[dict]:
+    table = rollout.sample(prompts, n=1, temperature=0.0, max_new_tokens=new, ignore_eos=True, **sampling)
+    return table.to_table().to_pylist()
+
+
+def start_long_sample(client: RolloutClient, new: int) -> rollout.RolloutStream:
+    """A greedy sample of `new` tokens, returned once it has generated a few."""
+    before = sum(s["decode_tokens"] for s in client.stats().values())
+    stream = rollout.sample([PROMPT[:8]], n=1, temperature=0.0, max_new_tokens=new, ignore_eos=True,
+                            return_token_versions=True)
+    while sum(s["decode_tokens"] for s in client.stats().values()) < before + 3:
+        time.sleep(0.005)
+    return stream
+
+
+@pytest.fixture(scope="module")
+def sync(client):
+    return rollout.init_weight_sync()
+
+
+@pytest.mark.parametrize("transport", ["object_store", "checkpoint", "broadcast"])
+def test_update_gives_the_new_model_and_recomputes_cached_prompts(client, policies, states, sync, transport):
+    old, new = policies
+    set_weights(old)
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)
+    cached = sum(s["cached_prefix_tokens"] for s in client.stats().values())
+    greedy([PROMPT])
+    assert sum(s["cached_prefix_tokens"] for s in client.stats().values()) > cached, "the prompt is cached"
+    cached = sum(s["cached_prefix_tokens"] for s in client.stats().values())
+
+    version = next(_versions)
+    rollout.update_weights(new if transport == "checkpoint" else states[new], version,
+                           transport=None if transport == "object_store" else transport)
+    assert versions(client) == {version}
+    row = greedy([PROMPT])[0]
+    assert row["token_ids"] == hf_greedy(new, PROMPT)
+    assert row["policy_version"] == row["first_policy_version"] == version
+    assert sum(s["cached_prefix_tokens"] for s in client.stats().values()) == cached, "old KV not reused"
+
+
+def test_continue_mode_sample_spans_the_update(client, policies, states):
+    old, new = policies
+    v_old = set_weights(old)
+    stream = start_long_sample(client, 400)
+    v_new = next(_versions)
+    rollout.update_weights(states[new], v_new, mode="continue")
+    [row] = stream.to_table().to_pylist()
+    switch = row["token_policy_versions"].index(v_new)
+    assert 0 < switch < 400 and row["token_policy_versions"] == [v_old] * switch + [v_new] * (400 - switch)
+    assert (row["first_policy_version"], row["policy_version"], row["finish_reason"]) == (v_old, v_new, "length")
+    head = min(switch, 40)  # compared with transformers on a prefix: long greedy runs may split on near-ties
+    assert row["token_ids"][:head] == hf_greedy(old, PROMPT[:8], head)
+
+
+def test_abort_mode_ends_started_samples(client, policies, states):
+    old, new = policies
+    v_old = set_weights(old)
+    stream = start_long_sample(client, 400)
+    v_new = next(_versions)
+    rollout.update_weights(states[new], v_new, mode="abort")
+    [row] = stream.to_table().to_pylist()
+    assert (row["finish_reason"], row["policy_version"], row["first_policy_version"]) == ("abort", v_old, v_old)
+    assert 0 < len(row["token_ids"]) < 400
+    head = min(len(row["token_ids"]), 40)
+    assert row["token_ids"][:head] == hf_greedy(old, PROMPT[:8], head)
+    assert greedy([PROMPT])[0]["policy_version"] == v_new
+
+
+def test_finish_mode_drains_on_the_old_weights(client, policies, states):
+    old, new = policies
+    v_old = set_weights(old)
+    stream = start_long_sample(client, 120)
+    v_new = next(_versions)
+    rollout.update_weights(states[new], v_new, mode="finish")
+    assert versions(client) == {v_new}
+    [row] = stream.to_table().to_pylist()
+    assert (row["finish_reason"], row["policy_version"], row["token_policy_versions"]) == (
+        "length", v_old, [v_old] * 120)
+    assert row["token_ids"][:40] == hf_greedy(old, PROMPT[:8], 40)
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(new, PROMPT)
+
+
+@pytest.mark.parametrize("break_it, transport, match", [
+    (lambda sd: sd.pop("lm_head.weight"), None, "missing 'lm_head.weight'"),
+    (lambda sd: sd.update({"model.norm.weight": torch.zeros(3)}), None, r"'model.norm.weight' has shape \(3,\)"),
+    (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].bfloat16()}), None, "dtype torch.bfloat16"),
+    (lambda sd: sd.pop("lm_head.weight"), "broadcast", "missing 'lm_head.weight'"),
+], ids=["missing", "shape", "dtype", "broadcast-missing"])
+def test_refused_state_dict_changes_nothing(client, policies, states, sync, break_it, transport, match):
+    old, new = policies
+    version = set_weights(old)
+    state = dict(states[new])
+    break_it(state)
+    with pytest.raises(ValueError, match=match):
+        rollout.update_weights(state, version + 100, transport=transport)
+    assert versions(client) == {version}
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)
+
+
+def test_refused_checkpoint_and_bad_arguments_fail_at_the_call(client, policies, states, model_dir, tmp_path):
+    version = set_weights(policies[0])
+    with pytest.raises(ValueError, match="has shape"):
+        rollout.update_weights(model_dir("qwen3", hidden_size=32), version + 100)
+    for args, match in [((states[policies[1]], -1), "version=-1"), ((states[policies[1]], True), "version=True"),
+                        ((policies[1], 2, "later"), "mode='later'"), ((str(tmp_path), 2), "not a directory of"),
+                        ((42, 2), "non-empty state dict")]:
+        with pytest.raises(ValueError, match=match):
+            rollout.update_weights(*args)
+    with pytest.raises(ValueError, match="transport='pigeon'"):
+        rollout.update_weights(policies[1], 2, transport="pigeon")
+    assert versions(client) == {version}
+
+
+def test_killed_worker_is_replaced_with_the_current_weights(client, policies, states, sync):
+    """The replay source of a broadcast update is a copy exported by worker 0; killing worker 0 itself
+    shows that the copy outlives it."""
+    old, new = policies
+    set_weights(old)
+    version = next(_versions)
+    rollout.update_weights(states[new], version, transport="broadcast")
+    ray.kill(ray.get_actor("rollout-worker-0", namespace="rollout"), no_restart=True)
+    deadline = time.monotonic() + 90
+    while sorted(stats := client.stats()) != [0, 1]:
+        assert time.monotonic() < deadline, "worker 0 was not replaced"
+        time.sleep(0.2)
+    assert stats[0]["policy_version"] == version and stats[0]["steps"] == 0, "a fresh engine, updated"
+    prompts = [PROMPT, PROMPT[:20]]
+    rows = greedy(prompts)
+    assert {r["worker_id"] for r in rows} == {0, 1}
+    assert [r["token_ids"] for r in rows] == [hf_greedy(new, p) for p in prompts]
+    assert all(r["policy_version"] == version for r in rows)
+
+    with pytest.raises(RuntimeError, match="call init_weight_sync"):
+        rollout.update_weights(states[old], version + 1, transport="broadcast")
+    rollout.init_weight_sync()
+    rollout.update_weights(states[old], version + 1, transport="broadcast")
+    assert versions(client) == {version + 1}
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)

@@ -1,0 +1,44 @@
+"""How weights cross processes: numpy views (bfloat16 included) without copies, safetensors headers, flat
+one-dtype buckets. No Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workers.weight_format import (checkpoint_tensors, describe, from_numpy, pack, plan_buckets, to_numpy,
+                                   unpack)
+
+STATE = {"a": torch.randn(3, 4, dtype=torch.bfloat16), "b": torch.randn(5), "c": torch.arange(6).view(2, 3),
+         "d": torch.randn(2, 2, dtype=torch.bfloat16), "e": torch.tensor(1.5, dtype=torch.float16)}
+
+
+def test_numpy_round_trip_shares_memory_and_keeps_dtypes():
+    arrays = to_numpy(STATE)
+    assert str(arrays["a"].dtype) == "int16" and str(arrays["b"].dtype) == "float32"
+    back = from_numpy(arrays, describe(STATE))
+    for name, tensor in STATE.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+        assert back[name].data_ptr() == tensor.data_ptr(), "no copy on the way"
+
+
+def test_buckets_group_by_dtype_and_respect_the_size():
+    tensors = describe(STATE)
+    buckets = plan_buckets(tensors, bucket_bytes=24)
+    assert sorted(buckets) == [[0], [1], [2], [3], [4]]  # a (24 bytes) fills a bucket; c (48) gets its own
+    buckets = plan_buckets(tensors, bucket_bytes=1 << 20)
+    assert sorted(map(sorted, buckets)) == [[0, 3], [1], [2], [4]]
+    for bucket in buckets:
+        flat = pack(STATE, tensors, bucket, "cpu")
+        assert flat.dim() == 1 and len({tensors[i].dtype for i in bucket}) == 1
+        for name, tensor in unpack(flat.clone(), tensors, bucket).items():
+            assert torch.equal(tensor, STATE[name])
+
+
+def test_checkpoint_headers_describe_the_tensors(model_dir):
+    path = model_dir("qwen3")
+    state = load_file(f"{path}/model.safetensors")
+    assert sorted(checkpoint_tensors(path), key=lambda t: t.name) == sorted(describe(state), key=lambda t: t.name)
+    with pytest.raises(ValueError, match="not a directory of \\*.safetensors"):
+        checkpoint_tensors(f"{path}/missing")

@@ -1,0 +1,59 @@
+"""The broadcast group of weight updates: a torch.distributed process group (gloo on CPU, NCCL on GPU) built
+directly on a TCP store, outside torch's default group, so that a trainer already running its own
+`init_process_group` (FSDP, DDP) is not disturbed. Rank 0 (the trainer) hosts the store. Every listener binds
+the address given, never all interfaces. Ray-free."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workers.messages import BACKENDS
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The group's TCP store, served by this process on `host:port` (0 picks a free port; `.port` tells it)."""
+    listener = socket.create_server((host, port))
+    # TCPStore binds every interface when it opens the port itself; handing it a bound socket keeps it on host.
+    return dist.TCPStore(host, listener.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the store that rank 0 serves on `host:port`."""
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+
+
+def open_group(store: dist.Store, rank: int, world_size: int, backend: str, host: str,
+               timeout_s: float) -> dist.ProcessGroup:
+    """This process's member of the group; returns once all `world_size` ranks have joined. `host` is the
+    address this process listens on for its peers (gloo; NCCL picks its own interfaces)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    if backend == "nccl":
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+
+
+def group_device(backend: str) -> torch.device:
+    """Where the tensors of a collective must live: the current GPU for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` in place from rank 0 to every rank, and wait until it is done (on a GPU too, so
+    that another thread may use the tensor next)."""
+    group.broadcast(tensor, 0).wait()
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
