@@ -91,11 +91,17 @@ def test_mode_continue_spans_versions(policies):
         assert row["token_ids"][:4] == hf_greedy(old, prompt)[:4]
 
 
+def one_group_started(path: str, seed: int) -> tuple:
+    """Two greedy n=2 prompts where only the first fits (max_num_seqs=2), after 3 steps."""
+    engine = make_engine(path, max_num_seqs=2)
+    prompts = random_prompts(2, 512, (8, 8), seed=seed)
+    rows = start(engine, prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True), steps=3)
+    return engine, prompts, rows
+
+
 def test_mode_abort_ends_started_samples_and_keeps_queued_ones(policies):
     old, new = policies
-    engine = make_engine(old, max_num_seqs=2)
-    prompts = random_prompts(2, 512, (8, 8), seed=53)
-    rows = start(engine, prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True), steps=3)
+    engine, prompts, rows = one_group_started(old, seed=53)
     aborted = engine.update_weights(new, version=2, mode="abort")
     engine.check_integrity()
     assert sorted(r["sample_index"] for r in aborted) == [0, 1]
@@ -108,9 +114,7 @@ def test_mode_abort_ends_started_samples_and_keeps_queued_ones(policies):
 
 def test_mode_finish_drains_on_old_weights(policies):
     old, new = policies
-    engine = make_engine(old, max_num_seqs=2)
-    prompts = random_prompts(2, 512, (8, 8), seed=54)
-    rows = start(engine, prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True), steps=3)
+    engine, prompts, rows = one_group_started(old, seed=54)
     drained = engine.update_weights(new, version=3, mode="finish")
     assert sorted(r["sample_index"] for r in drained) == [0, 1]
     assert all(r["finish_reason"] == "length" and r["policy_version"] == 0 for r in drained)
