@@ -12,8 +12,10 @@ Usage: python scripts/bench_cpu.py [--prompts 32] [--skip-hf] [--skip-pressure]
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
+from typing import Callable
 
 import torch
 import transformers
@@ -22,6 +24,7 @@ from rollout import SamplingParams
 from workers.engine import Engine, EngineConfig
 from workers.engine.tiny_models import build_tiny_model
 
+GENERATE = "transformers generate (static batches of 4 prompts)"
 MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, initializer_range=0.02)
 
 
@@ -36,14 +39,21 @@ def engine_config(path: str, **overrides) -> EngineConfig:
     return EngineConfig(model=path, **{**defaults, **overrides})
 
 
-def bench_engine(path: str, prompts, n: int, new: int) -> float:
+def engine_run(path: str, prompts, n: int, new: int) -> Callable[[], float]:
+    """A function timing one full rollout on a warm engine (prefix cache cleared first); tokens/s."""
     engine = Engine(engine_config(path))
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4))
-    start = time.perf_counter()
-    table = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=new, ignore_eos=True, seed=0))
-    elapsed = time.perf_counter() - start
-    assert table.num_rows == len(prompts) * n
-    return len(prompts) * n * new / elapsed
+    params = SamplingParams(n=n, max_new_tokens=new, ignore_eos=True, seed=0)
+
+    def once() -> float:
+        engine.reset_prefix_cache()
+        start = time.perf_counter()
+        table = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert table.num_rows == len(prompts) * n
+        return len(prompts) * n * new / elapsed
+
+    return once
 
 
 def hf_generation_config(n: int, new: int) -> transformers.GenerationConfig:
@@ -51,18 +61,25 @@ def hf_generation_config(n: int, new: int) -> transformers.GenerationConfig:
                                          min_new_tokens=new, num_return_sequences=n, eos_token_id=0, pad_token_id=1)
 
 
-def bench_generate(path: str, prompts, n: int, new: int, prompts_per_batch: int = 4) -> float:
+def generate_run(path: str, prompts, n: int, new: int, prompts_per_batch: int = 4) -> Callable[[], float]:
+    """A function timing transformers `generate` over static batches of `prompts_per_batch` prompts."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = hf_generation_config(n, new)
-    start = time.perf_counter()
+    batches = []
     for i in range(0, len(prompts), prompts_per_batch):
         chunk = prompts[i:i + prompts_per_batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[1] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        batches.append((torch.tensor([[1] * (width - len(p)) + p for p in chunk]),
+                        torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])))
+
+    def once() -> float:
+        start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, generation_config=config)
-    return len(prompts) * n * new / (time.perf_counter() - start)
+            for ids, mask in batches:
+                model.generate(ids, attention_mask=mask, generation_config=config)
+        return len(prompts) * n * new / (time.perf_counter() - start)
+
+    return once
 
 
 def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
@@ -91,19 +108,60 @@ def bench_pressure(path: str, new: int = 512) -> list[tuple[str, float, dict]]:
     return out
 
 
-def bench_step_overhead(path: str, seqs: int = 256, steps: int = 50) -> float:
-    """Milliseconds per decode step spent outside the model, with `seqs` sequences decoding."""
+def bench_step_overhead(path: str, seqs: int = 256, blocks: int = 5, steps: int = 20) -> float:
+    """Milliseconds per decode step spent outside the model, with `seqs` sequences decoding: the
+    median over `blocks` blocks of `steps` steps."""
     engine = Engine(engine_config(path))
     logits = torch.randn(seqs, engine.vocab_size)
     engine.runner.forward = lambda ids, pos, meta, keep: logits[: len(keep)]
-    engine.add_request(list(range(2, 66)), SamplingParams(n=seqs, max_new_tokens=steps + 20, ignore_eos=True))
+    engine.add_request(list(range(2, 66)), SamplingParams(n=seqs, max_new_tokens=blocks * steps + 20,
+                                                          ignore_eos=True))
     for _ in range(5):
         engine.step()
     assert len(engine.scheduler.running) == seqs
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - start) / steps * 1e3
+    times = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    return statistics.median(times)
+
+
+def rollout_rounds(path: str, prompts, args) -> dict[str, list[float]]:
+    """tokens/s of each system over `args.repeats` interleaved rounds (the machine's speed drifts)."""
+    runs = {"engine": engine_run(path, prompts, args.n, args.new_tokens)}
+    if not args.skip_hf:
+        runs[GENERATE] = generate_run(path, prompts, args.n, args.new_tokens)
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.repeats):
+        for name, once in runs.items():
+            results[name].append(once())
+            print(f"round {round_ + 1}: {name}: {results[name][-1]:.0f} tokens/s", flush=True)
+    if not args.skip_hf:
+        results["transformers generate_batch"] = [bench_generate_batch(path, prompts, args.n, args.new_tokens)]
+    return results
+
+
+def print_rollout(results: dict[str, list[float]], args) -> None:
+    print(f"\ncpu-rollout: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved rounds")
+    print(f"{'system':<56}{'tokens/s':>10}{'min-max':>14}{'vs generate':>13}")
+    base = statistics.median(results[GENERATE]) if GENERATE in results else None
+    for name, values in results.items():
+        mid = statistics.median(values)
+        ratio = f"{mid / base:.2f}x" if base else "-"
+        print(f"{name:<56}{mid:>10.0f}{f'{min(values):.0f}-{max(values):.0f}':>14}{ratio:>13}")
+    if base:
+        per_round = [e / g for e, g in zip(results["engine"], results[GENERATE])]
+        print(f"engine / generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}")
+
+
+def print_pressure(pressure: list[tuple[str, float, dict]]) -> None:
+    print("\npressure: 8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need")
+    print(f"{'cache':<30}{'tokens/s':>10}{'offloads':>10}{'restores':>10}{'recomputes':>12}")
+    for label, tps, st in pressure:
+        print(f"{label:<30}{tps:>10.0f}{st['offloads']:>10}{st['restores']:>10}{st['recomputes']:>12}")
 
 
 def main() -> None:
@@ -111,36 +169,20 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="number of prompts (default 32)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of engine and generate (default 3)")
     parser.add_argument("--skip-hf", action="store_true", help="time only this engine")
     parser.add_argument("--skip-pressure", action="store_true", help="skip the memory-pressure workload")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "qwen3", **MODEL))
-        prompts = make_prompts(args.prompts)
-        results = {"engine": bench_engine(path, prompts, args.n, args.new_tokens)}
-        print(f"engine: {results['engine']:.0f} tokens/s", flush=True)
-        if not args.skip_hf:
-            results["transformers generate (static batches of 4 prompts)"] = bench_generate(
-                path, prompts, args.n, args.new_tokens)
-            print(f"generate: {results['transformers generate (static batches of 4 prompts)']:.0f} tokens/s",
-                  flush=True)
-            results["transformers generate_batch"] = bench_generate_batch(path, prompts, args.n, args.new_tokens)
+        results = rollout_rounds(path, make_prompts(args.prompts), args)
         overhead = bench_step_overhead(path)
         pressure = [] if args.skip_pressure else bench_pressure(path)
-    print(f"\ncpu-rollout: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'system':<56}{'tokens/s':>10}{'vs generate':>13}")
-    base = results.get("transformers generate (static batches of 4 prompts)")
-    for name, tps in results.items():
-        ratio = f"{tps / base:.2f}x" if base else "-"
-        print(f"{name:<56}{tps:>10.0f}{ratio:>13}")
-    print(f"engine overhead per decode step, 256 sequences, stub model: {overhead:.2f} ms")
+    print_rollout(results, args)
+    print(f"engine overhead per decode step, 256 sequences, stub model (median of 5 x 20 steps): {overhead:.2f} ms")
     if pressure:
-        print("\npressure: 8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need")
-        print(f"{'cache':<30}{'tokens/s':>10}{'offloads':>10}{'restores':>10}{'recomputes':>12}")
-        for label, tps, st in pressure:
-            print(f"{label:<30}{tps:>10.0f}{st['offloads']:>10}{st['restores']:>10}{st['recomputes']:>12}")
+        print_pressure(pressure)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def naive(q, keys, values, q_pos, scale, window, softcap):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0), (6, 2.0)])
 @pytest.mark.parametrize("h_q, h_kv", [(4, 4), (8, 2), (5, 1)])
-def test_torch_backend_matches_naive(window, softcap, h_q, h_kv):
+@pytest.mark.parametrize("chunk_bytes", [2 << 20, 1], ids=["one_group", "group_per_row"])
+def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_bytes):
     torch.manual_seed(0)
     bs, d, pairs = 4, 16, [(1, 9), (5, 5), (3, 13), (1, 1), (7, 20)]
     kv = torch.zeros(1, 2, 64, bs, h_kv, d)
@@ -50,8 +51,10 @@ def test_torch_backend_matches_naive(window, softcap, h_q, h_kv):
     q = torch.randn(len(new_k), h_q, d)
     cu = torch.tensor([0, *itertools.accumulate(q for q, _ in pairs)], dtype=torch.int32)
     backend = TorchBackend(kv)
+    backend.chunk_bytes = chunk_bytes
     backend.prepare_metadata(AttentionMetadata(torch.tensor(slots), cu, torch.tensor([k for _, k in pairs],
                                                dtype=torch.int32), tables, 7, 20))
+    assert len(backend.groups) == (2 if chunk_bytes > 1 else len(pairs))
     out = backend.forward(0, q, new_k, new_v, 0.3, window, softcap)
     for b, (q_len, k_len) in enumerate(pairs):
         for i in range(q_len):

@@ -69,7 +69,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class TorchBackend(AttentionBackend):
-    """Decodes (one query token) in one batched problem, prefill chunks in another."""
+    """Decodes (one query token) and prefill chunks in separate batched problems, each split into
+    groups of rows whose gathered K/V stay small (~`chunk_bytes`): small temporaries stay in the cache
+    and in the allocator's pool instead of faulting in fresh pages every layer."""
+
+    chunk_bytes = 2 << 20
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         super().prepare_metadata(meta)
@@ -77,7 +81,14 @@ class TorchBackend(AttentionBackend):
         self.groups = []
         for rows in ((q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()):
             if rows.numel():
-                self.groups.append(_Group(meta, rows, self.block_size))
+                size = self._rows_per_group(int(meta.seq_lens[rows].max()))
+                self.groups += [_Group(meta, rows[i:i + size], self.block_size)
+                                for i in range(0, rows.numel(), size)]
+
+    def _rows_per_group(self, max_seq_len: int) -> int:
+        per_token = self.kv_cache[0, 0, 0, 0].numel() * self.kv_cache.element_size()
+        per_row = -(-max_seq_len // self.block_size) * self.block_size * per_token
+        return max(1, self.chunk_bytes // per_row)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
