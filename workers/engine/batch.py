@@ -18,5 +18,6 @@ class Batch:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
+        """Compute `n` more tokens of `seq` in this step."""
         self.seqs.append(seq)
         self.num_tokens.append(n)

@@ -160,6 +160,7 @@ class Engine:
         return self.runner.model.state_dict()
 
     def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or offloaded."""
         return self.scheduler.has_unfinished()
 
     # ---- stepping -------------------------------------------------------------------------

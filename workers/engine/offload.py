@@ -47,11 +47,13 @@ class CpuPool:
         return self.num_blocks - len(self.free)
 
     def allocate(self, n: int) -> list[int]:
+        """Take `n` free CPU blocks."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} CPU blocks, only {len(self.free)} free")
         return [self.free.popleft() for _ in range(n)]
 
     def release(self, blocks: list[int]) -> None:
+        """Give CPU blocks back to the pool."""
         self.free.extend(blocks)
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:

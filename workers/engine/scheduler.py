@@ -37,9 +37,11 @@ class Scheduler:
         return sum(len(seq.sample_indices) for seq in self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind the waiting ones."""
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """True while any sequence waits, runs or is offloaded."""
         return bool(self.waiting or self.running or self.swapper.swapped)
 
     def schedule(self) -> Batch:

@@ -34,6 +34,7 @@ class _Group:
         self.masks: dict[int | None, torch.Tensor] = {None: self.causal}
 
     def mask(self, window: int | None) -> torch.Tensor:
+        """Which keys each query sees: causal, and within `window` tokens when given (cached per window)."""
         if window not in self.masks:
             self.masks[window] = self.causal & (self.k_pos > self.q_pos[:, :, None] - window)
         return self.masks[window]
