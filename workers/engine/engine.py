@@ -261,14 +261,14 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counters since start, the weights version, and the block pool's current state."""
-        sched, swapper = self.scheduler, self.scheduler.swapper
+        sched, swapper, cpu = self.scheduler, self.scheduler.swapper, self.cpu_pool
         return {**self.counters, "policy_version": self.policy_version,
                 "cached_prefix_tokens": sched.cached_prefix_tokens,
                 "offloads": swapper.offloads, "restores": swapper.restores, "recomputes": sched.recomputes,
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
-                "blocks_cached": len(self.pool.cached), "cpu_blocks_total": self.cpu_pool.num_blocks if
-                self.cpu_pool else 0, "cpu_blocks_used": self.cpu_pool.num_used if self.cpu_pool else 0,
-                "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(swapper.swapped)}
+                "blocks_cached": len(self.pool.cached), "cpu_blocks_total": cpu.num_blocks if cpu else 0,
+                "cpu_blocks_used": cpu.num_used if cpu else 0, "running": len(sched.running),
+                "waiting": len(sched.waiting), "swapped": len(swapper.swapped)}
 
     def check_integrity(self) -> None:
         """Assert that block accounting balances (tests call this after every step)."""

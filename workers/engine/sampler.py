@@ -46,10 +46,6 @@ class SamplingBatch:
     uniform: torch.Tensor  # [B] float64
     raw_logprobs: torch.Tensor  # [B] bool: report the model's own logprob
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
-
 
 def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Logits after temperature, top-k, top-p and min-p (in that order); removed tokens are -inf."""

@@ -73,10 +73,6 @@ class Sequence:
     def is_forked(self) -> bool:
         return len(self.sample_indices) == 1
 
-    @property
-    def request_id(self) -> str:
-        return f"{self.group.request_id}/{self.sample_indices[0]}"
-
     def fork(self, sample_index: int) -> "Sequence":
         """A child with this sequence's tokens and blocks (the caller fixes refcounts and the last block)."""
         return Sequence(self.group, [sample_index], list(self.token_ids), self.status,
