@@ -6,7 +6,10 @@ layer shaped like Llama-3-8B by default (32 query heads, 8 KV heads, head_dim 12
 block_size 16), every sequence's blocks scattered at random over the cache. A call is the backend's
 `forward`: the K/V store of the new tokens plus attention. Bytes counted: the cached K/V read, the
 block table, q read, the new k/v read and stored, the output written. Each shape runs the
-single-pass path, the split-KV path and the backend's own choice ("auto").
+single-pass path, the split-KV path and the backend's own choice ("auto"). The peer in the same run
+is torch's `scaled_dot_product_attention` (its fused FlashAttention / memory-efficient kernels) over
+the same keys held densely, `[seqs, kv_heads, context, head_dim]`: no block table, no K/V store, so it
+is the speed a paged kernel aims at, not a like-for-like call.
 
 Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16]
 """
@@ -21,7 +24,7 @@ import torch
 
 from workers.engine.attention.base import AttentionMetadata
 
-ROW = "{:>6} {:>8} {:>8} {:>7} {:>11} {:>9} {:>8}"
+ROW = "{:>6} {:>8} {:>8} {:>7} {:>11} {:>9} {:>8} {:>12}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,20 +71,37 @@ def decode_step(seqs: int, context: int, args: argparse.Namespace):
     return kv_cache, meta, (q, k, v), moved
 
 
+def sdpa_peer(kv_cache: torch.Tensor, meta: AttentionMetadata, q: torch.Tensor):
+    """torch's fused attention for the same decode over a dense copy of each sequence's keys."""
+    seqs, context = meta.block_table.shape[0], meta.max_seqlen_k
+    k_all, v_all = (kv_cache[0, i][meta.block_table.long()].flatten(1, 2)[:, :context].transpose(1, 2)
+                    .contiguous() for i in (0, 1))
+    q4 = q.view(seqs, q.shape[1], 1, q.shape[2])
+    return functools.partial(torch.nn.functional.scaled_dot_product_attention, q4, k_all, v_all,
+                             enable_gqa=True)
+
+
 def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: float,
                 do_bench) -> None:
-    """Time the single-pass, split and heuristic paths for one shape; print a row each."""
+    """Time the single-pass, split and heuristic paths and the sdpa peer for one shape; a row each,
+    with the largest difference of each output from the peer's."""
     from workers.engine.attention.triton_backend import TritonBackend
 
     kv_cache, meta, (q, k, v), moved = decode_step(seqs, context, args)
+    results = []
     for path, forced in (("single", 1), ("split", args.splits), ("auto", None)):
         backend = TritonBackend(kv_cache, num_kv_splits=forced)
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
-        ms = do_bench(step, return_mode="median")
+        results.append((path, backend.num_splits, do_bench(step, return_mode="median"), step()))
+    peer = sdpa_peer(kv_cache, meta, q)  # after the stores above, so it sees the new tokens too
+    want = peer().view(q.shape)
+    results.append(("sdpa", "-", do_bench(peer, return_mode="median"), want))
+    for path, splits, ms, out in results:
         gbs = moved / ms / 1e6
-        print(ROW.format(seqs, context, path, backend.num_splits, f"{ms * 1e3:.1f}",
-                         f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%"))
+        diff = (out.float() - want.float()).abs().max().item()
+        print(ROW.format(seqs, context, path, splits, f"{ms * 1e3:.1f}", f"{gbs:.0f}",
+                         f"{100 * gbs / copy_gbs:.0f}%", f"{diff:.1e}"))
 
 
 def main() -> None:
@@ -98,7 +118,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s; "
           f"{args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
           f"{args.dtype}, block_size {args.block_size}")
-    print(ROW.format("seqs", "context", "path", "splits", "time (us)", "GB/s", "of copy"))
+    print(ROW.format("seqs", "context", "path", "splits", "time (us)", "GB/s", "of copy", "diff vs sdpa"))
     for seqs in args.seqs:
         for context in args.context:
             bench_shape(seqs, context, args, copy_gbs, do_bench)

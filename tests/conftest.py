@@ -10,13 +10,17 @@ import pytest
 import torch
 import transformers
 
+ON_GPU = torch.cuda.is_available()
 # Triton kernels run in its interpreter on a machine without CUDA; set before anything imports triton.
-if not torch.cuda.is_available():
+if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout import SamplingParams  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
+
+# parametrize with DEVICES to run a test on the CPU, and on the GPU where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU"))]
 
 ARCH_OVERRIDES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24},
@@ -71,8 +75,10 @@ def assert_nothing_leaked(engine: Engine) -> None:
 
 
 def hf_model(path: str) -> transformers.PreTrainedModel:
-    """The same checkpoint through plain transformers (sdpa attention), float32."""
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """The same checkpoint through plain transformers, float32, eager attention: the exact reference
+    (some transformers versions default Gemma2 to sdpa, which drops its logit softcap)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
 
 
 def hf_greedy(path: str, prompt: list[int], new: int = 10) -> list[int]:

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from rollout import SamplingParams
-from tests.conftest import hf_model, make_engine, random_prompts, run
+from tests.conftest import ON_GPU, hf_model, make_engine, random_prompts, run
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 MAX_NEW = 24
@@ -15,20 +15,20 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def references(model_dir):
-    """Per arch: the prompts and `model.generate`'s greedy continuations (eos stops them)."""
+    """Per (arch, device): the prompts and `model.generate`'s greedy continuations (eos stops them)."""
     cache = {}
 
-    def get(arch: str):
-        if arch not in cache:
+    def get(arch: str, device: str = "cpu"):
+        if (arch, device) not in cache:
             path = model_dir(arch)
-            model = hf_model(path)
+            model = hf_model(path).to(device)
             prompts = random_prompts(16, model.config.vocab_size, (1, 40), seed=len(arch))
             outs = []
             for p in prompts:
-                ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p):]
-                outs.append(ids.tolist())
-            cache[arch] = (path, prompts, outs)
-        return cache[arch]
+                ids = model.generate(torch.tensor([p], device=device), max_new_tokens=MAX_NEW, do_sample=False)
+                outs.append(ids[0, len(p):].tolist())
+            cache[(arch, device)] = (path, prompts, outs)
+        return cache[(arch, device)]
 
     return get
 
@@ -37,17 +37,33 @@ def strip_after_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_greedy_matches_generate(references, arch, block_size):
-    path, prompts, expected = references(arch)
-    engine = make_engine(path, block_size=block_size, num_blocks=4096 // block_size, max_batch_tokens=48)
+def assert_greedy_parity(engine, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """The engine's greedy samples are `generate`'s tokens, and every prompt token was prefilled or cached."""
     rows = run(engine, prompts, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
     eos = next(iter(engine.eos_token_ids))
     for i, want in enumerate(expected):
         assert rows[(i, 0)]["token_ids"] == strip_after_eos(want, eos), f"prompt {i}"
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["cached_prefix_tokens"] == sum(map(len, prompts))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_greedy_matches_generate(references, arch, block_size):
+    path, prompts, expected = references(arch)
+    engine = make_engine(path, block_size=block_size, num_blocks=4096 // block_size, max_batch_tokens=48)
+    assert_greedy_parity(engine, prompts, expected)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_greedy_matches_generate_on_gpu(references, arch, block_size):
+    """float32 on the GPU, through the backend "auto" picks there (Triton unless flash-attn imports)."""
+    path, prompts, expected = references(arch, "cuda")
+    engine = make_engine(path, device="cuda", block_size=block_size, num_blocks=8192 // block_size,
+                         max_batch_tokens=48)
+    assert_greedy_parity(engine, prompts, expected)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])

@@ -1,17 +1,17 @@
-"""The whole engine on the Triton backend (interpreted on CPU) gives the torch backend's tokens."""
+"""The whole engine on the Triton backend (compiled on a GPU, else interpreted on the CPU) gives the
+torch backend's tokens on the same device."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 
 from rollout import SamplingParams
-from tests.conftest import make_engine, random_prompts, run
+from tests.conftest import ON_GPU, make_engine, random_prompts, run
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton needs CUDA or its interpreter")
 
 
@@ -20,7 +20,7 @@ def test_triton_engine_matches_torch_engine(model_dir, arch):
     path = model_dir(arch)
     prompts = random_prompts(4, 512, (5, 30), seed=40)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
-    config = dict(block_size=16, max_batch_tokens=32)
+    config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")
     want = run(make_engine(path, attention_backend="torch", **config), prompts, params)
     engine = make_engine(path, attention_backend="triton", **config)
     assert type(engine.runner.backend).__name__ == "TritonBackend"

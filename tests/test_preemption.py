@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from rollout import SamplingParams
-from tests.conftest import make_engine, random_prompts, run
+from tests.conftest import DEVICES, make_engine, random_prompts, run
 
 BLOCK = 8
 BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
@@ -20,7 +22,8 @@ def workload(model_dir):
               SamplingParams(n=8, temperature=1.0, top_p=0.95, max_new_tokens=40, seed=7, ignore_eos=True),
               SamplingParams(n=4, temperature=0.8, max_new_tokens=56, seed=8, ignore_eos=True)]
     path = model_dir("qwen3")
-    roomy = run(make_engine(path, block_size=BLOCK, num_blocks=1024), prompts, params)
+    roomy = functools.cache(lambda device: run(make_engine(path, device=device, block_size=BLOCK, num_blocks=1024),
+                                               prompts, params))
     return path, prompts, params, roomy
 
 
@@ -37,9 +40,12 @@ def tight_blocks(prompts, params) -> int:
     (0, {"recomputes"}),
     (6, {"offloads", "restores", "recomputes"}),
 ], ids=["offload", "recompute", "both"])
-def test_outputs_identical_under_pressure(workload, cpu_blocks, expect):
-    path, prompts, params, roomy = workload
-    engine = make_engine(path, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_identical_under_pressure(workload, cpu_blocks, expect, device):
+    """Tokens and logprobs equal a roomy run on the same device (pinned CPU pool on CUDA)."""
+    path, prompts, params, roomy_on = workload
+    roomy = roomy_on(device)
+    engine = make_engine(path, device=device, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
                          max_batch_tokens=64, cpu_offload_gib=cpu_blocks * GIB_PER_BLOCK)
     rows = run(engine, prompts, params)
     stats = engine.stats()

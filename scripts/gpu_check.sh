@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU checks of the attention backends in one run on a CUDA machine (the device tool's, or any):
+#   - pytest of the engine and kernel tests: on CUDA the Triton kernels are compiled and compared with
+#     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
+#     the GPU in float32, and offload/restore through pinned CPU memory keeps outputs identical;
+#   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth.
+# Logs go to $OUT (default /tmp/gpu_check). Wheels in .whl/ (e.g. msgspec, which the device image
+# lacks) are installed into /tmp/site first; the project runs from the source tree, no install.
+# Usage: bash scripts/gpu_check.sh [extra pytest args]
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+python3 -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'
+print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__,
+      'transformers', transformers.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
+python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
+    tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py "$@" 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
+bench_rc=${PIPESTATUS[0]}
+echo "pytest exit $tests_rc, benchmark exit $bench_rc"
+exit $((tests_rc || bench_rc))
