@@ -26,17 +26,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_s
     return splits if splits > 1 else 1
 
 
-def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, decode_only: bool,
-                  num_splits: int) -> LaunchConfig:
-    """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'."""
+def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  decode_only: bool, num_splits: int) -> LaunchConfig:
+    """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'.
+
+    Fewer keys per step for head_dim 256 and for float32 (exact fp32 dots), and 8 warps for mixed
+    tiles: otherwise the tiles spill registers on sm_80/sm_90 (scripts/kernel_resources.py)."""
     group = num_heads // num_kv_heads
+    tile_n = 16 if dtype == torch.float32 else 32 if head_dim > 128 else 64
     if decode_only:
-        block_m, block_q = max(16, triton.next_power_of_2(group)), 1
-    else:
-        block_m = max(64, triton.next_power_of_2(group))
-        block_q = block_m // group
-    tile_n = 64 if head_dim <= 128 else 32
-    return LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, num_splits=num_splits)
+        return LaunchConfig(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
+                            tile_n=tile_n, num_splits=num_splits)
+    block_m = max(64, triton.next_power_of_2(group))
+    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n,
+                        num_splits=num_splits, num_warps=8, num_stages=3 if tile_n == 64 else 2)
 
 
 class TritonBackend(AttentionBackend):
@@ -73,6 +76,7 @@ class TritonBackend(AttentionBackend):
         meta = self.meta
         k_cache, v_cache = self.kv_cache[layer]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        config = launch_config(q.shape[1], k.shape[1], q.shape[2], self.decode_only, self.num_splits)
+        config = launch_config(q.shape[1], k.shape[1], q.shape[2], q.dtype, self.decode_only,
+                               self.num_splits)
         return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                meta.cu_seqlens_q, scale, sliding_window, softcap, config)

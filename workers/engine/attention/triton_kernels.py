@@ -24,12 +24,15 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile shape of one attention launch: rows per tile, query tokens per tile, keys per step,
-    and KV segments per tile (a power of two; 1 is the single-pass path)."""
+    KV segments per tile (a power of two; 1 is the single-pass path), and warps and software
+    pipeline stages per program."""
 
     block_m: int
     block_q: int
     tile_n: int
     num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -244,7 +247,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0), G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
         TILE_N=config.tile_n, NUM_SPLITS=splits, USE_WINDOW=bool(sliding_window),
-        USE_SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        USE_SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_stats, cu_seqlens_q, num_seqs, out.stride(0), out.stride(1),

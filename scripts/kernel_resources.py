@@ -1,0 +1,138 @@
+"""Compile the Triton attention kernels for NVIDIA GPUs without one; print each kernel's registers,
+stack (spilled) bytes and shared memory.
+
+Triton's compiler and the ptxas it bundles need no GPU: a stand-in driver names the target
+architecture, and `TritonBackend.forward` then compiles, without running, every kernel it launches
+(K/V store, paged attention for mixed and decode steps, single-pass and split-KV, the merge) for a
+few real model shapes. This catches what the interpreter cannot: compile errors, bfloat16, spills.
+Run it without TRITON_INTERPRET (the interpreter replaces the compiler).
+
+Usage: python scripts/kernel_resources.py [--arch 80 90] [--dtype bfloat16 float16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from workers.engine.attention import triton_kernels
+from workers.engine.attention.base import AttentionMetadata
+from workers.engine.attention.triton_backend import TritonBackend
+
+# name: (query heads, KV heads, head_dim, sliding window, logit softcap)
+MODELS = {
+    "llama3-8b": (32, 8, 128, None, None),
+    "qwen2.5-7b": (28, 4, 128, None, None),
+    "mistral-7b": (32, 8, 128, 4096, None),
+    "gemma2-9b": (16, 8, 256, 4096, 50.0),
+}
+# path: (query tokens per sequence, forced KV splits)
+PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}
+KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+ROW = "{:>5} {:>9} {:>11} {:>7} {:>24} {:>5} {:>6} {:>8}"
+
+
+class TargetDriver:
+    """Stands in for Triton's CUDA driver: names a GPU architecture so kernels compile, nothing runs."""
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return self.arch  # kernels cache their target per device: one "device" per architecture
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+class CompileOnly:
+    """Replaces a kernel in `triton_kernels`: `kernel[grid](...)` compiles for the target and records
+    the compiled kernel instead of launching it."""
+
+    def __init__(self, kernel: triton.JITFunction, compiled: dict) -> None:
+        self.kernel, self.compiled = kernel, compiled
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **kwargs) -> None:
+            compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+            self.compiled.setdefault(compiled.hash, (self.kernel.__name__, compiled))
+        return launch
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, ... of a cubin, read with the cuobjdump that Triton bundles."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", text)}
+
+
+def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+    """One layer's forward of a two-sequence step through TritonBackend, compiled only."""
+    heads, kv_heads, head_dim, window, softcap = MODELS[model]
+    q_len, splits = PATHS[path]
+    block_size, seqs = 16, 2
+    cache = torch.zeros(1, 2, 8, block_size, kv_heads, head_dim, dtype=dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(seqs * q_len, dtype=torch.int64),
+        cu_seqlens_q=torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32),
+        seq_lens=torch.full((seqs,), 32, dtype=torch.int32),
+        block_table=torch.zeros(seqs, 4, dtype=torch.int32), max_seqlen_q=q_len, max_seqlen_k=32)
+    backend = TritonBackend(cache, num_kv_splits=splits)
+    backend.prepare_metadata(meta)
+    q = torch.zeros(seqs * q_len, heads, head_dim, dtype=dtype)
+    k = torch.zeros(seqs * q_len, kv_heads, head_dim, dtype=dtype)
+    backend.forward(0, q, k, k, head_dim ** -0.5, window, softcap)
+
+
+def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
+    """Compile one step's kernels for `arch` (launches replaced by compiles) and print a row each."""
+    kernels = {name: getattr(triton_kernels, name) for name in KERNELS}
+    compiled: dict = {}
+    driver.set_active(TargetDriver(arch))
+    try:
+        for name, kernel in kernels.items():
+            setattr(triton_kernels, name, CompileOnly(kernel, compiled))
+        compile_step(model, path, getattr(torch, dtype), compiled)
+    finally:
+        for name, kernel in kernels.items():
+            setattr(triton_kernels, name, kernel)
+    for name, kernel in compiled.values():
+        usage = resource_usage(kernel.asm["cubin"])
+        print(ROW.format(f"sm_{arch}", dtype, model, path, name.strip("_"), usage["REG"],
+                         usage["STACK"], kernel.metadata.shared))
+
+
+def main() -> None:
+    """Compile every (arch, dtype, model, path) asked for and print the table; fails on any error."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capability")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
+                        choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
+    print(ROW.format("arch", "dtype", "model", "path", "kernel", "regs", "stack", "smem"))
+    for arch, dtype, model, path in itertools.product(args.arch, args.dtype, MODELS, PATHS):
+        compile_and_report(arch, dtype, model, path)
+
+
+if __name__ == "__main__":
+    main()
