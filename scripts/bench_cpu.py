@@ -29,12 +29,14 @@ MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv
 
 
 def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """`count` random prompts of 32-160 tokens."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(32, 161, (count,), generator=gen).tolist()
     return [torch.randint(2, MODEL["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
 
 
 def engine_config(path: str, **overrides) -> EngineConfig:
+    """The benchmark's CPU engine: a cache roomy enough for the whole workload unless overridden."""
     defaults = dict(block_size=16, num_blocks=6000, max_batch_tokens=2048, max_num_seqs=256)
     return EngineConfig(model=path, **{**defaults, **overrides})
 
@@ -57,6 +59,7 @@ def engine_run(path: str, prompts, n: int, new: int) -> Callable[[], float]:
 
 
 def hf_generation_config(n: int, new: int) -> transformers.GenerationConfig:
+    """`generate` settings matching the engine's workload: n samples of exactly `new` tokens."""
     return transformers.GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
                                          min_new_tokens=new, num_return_sequences=n, eos_token_id=0, pad_token_id=1)
 
@@ -83,6 +86,7 @@ def generate_run(path: str, prompts, n: int, new: int, prompts_per_batch: int = 
 
 
 def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
+    """tokens/s of transformers' own continuous batching (`generate_batch`) on the workload."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     start = time.perf_counter()
     with torch.no_grad():
@@ -144,6 +148,7 @@ def rollout_rounds(path: str, prompts, args) -> dict[str, list[float]]:
 
 
 def print_rollout(results: dict[str, list[float]], args) -> None:
+    """The rollout table: median tokens/s, spread over rounds, and speed-up over `generate`."""
     print(f"\ncpu-rollout: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved rounds")
     print(f"{'system':<56}{'tokens/s':>10}{'min-max':>14}{'vs generate':>13}")
@@ -158,6 +163,7 @@ def print_rollout(results: dict[str, list[float]], args) -> None:
 
 
 def print_pressure(pressure: list[tuple[str, float, dict]]) -> None:
+    """The pressure table: tokens/s and preemption counts per cache size."""
     print("\npressure: 8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need")
     print(f"{'cache':<30}{'tokens/s':>10}{'offloads':>10}{'restores':>10}{'recomputes':>12}")
     for label, tps, st in pressure:
@@ -165,6 +171,7 @@ def print_pressure(pressure: list[tuple[str, float, dict]]) -> None:
 
 
 def main() -> None:
+    """Parse options, build the tiny model, run the benchmarks and print their tables."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32, help="number of prompts (default 32)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")

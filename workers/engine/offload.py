@@ -40,10 +40,12 @@ class CpuPool:
 
     @property
     def num_free(self) -> int:
+        """CPU blocks not holding an offloaded block."""
         return len(self.free)
 
     @property
     def num_used(self) -> int:
+        """CPU blocks holding offloaded KV."""
         return self.num_blocks - len(self.free)
 
     def allocate(self, n: int) -> list[int]:

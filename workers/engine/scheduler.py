@@ -34,6 +34,7 @@ class Scheduler:
 
     @property
     def num_running_samples(self) -> int:
+        """Samples the running sequences stand for (an unforked prompt counts its n)."""
         return sum(len(seq.sample_indices) for seq in self.running)
 
     def add(self, seq: Sequence) -> None:

@@ -54,14 +54,17 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Length of the prompt this sequence continues."""
         return len(self.group.prompt_token_ids)
 
     @property
     def num_generated(self) -> int:
+        """Tokens sampled so far."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:
+        """Tokens whose KV is not in the cache yet."""
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
@@ -71,6 +74,7 @@ class Sequence:
 
     @property
     def is_forked(self) -> bool:
+        """True once the sequence is one sample (after its prompt forked, or n = 1)."""
         return len(self.sample_indices) == 1
 
     def fork(self, sample_index: int) -> "Sequence":

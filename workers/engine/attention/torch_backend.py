@@ -77,6 +77,7 @@ class TorchBackend(AttentionBackend):
     chunk_bytes = 2 << 20
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
+        """Take the step's metadata and group its sequences into row groups of bounded K/V size."""
         super().prepare_metadata(meta)
         q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
         self.groups = []
@@ -93,6 +94,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """Store this step's k/v into layer `layer`'s cache, then attend group by group."""
         k_cache, v_cache = self.kv_cache[layer]
         store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
         out = torch.empty_like(q)
