@@ -22,6 +22,13 @@ from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 # parametrize with DEVICES to run a test on the CPU, and on the GPU where there is one
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU"))]
 
+
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that reports `is_cuda`, to drive GPU-only branches and device checks without a GPU."""
+
+    is_cuda = property(lambda self: True)
+
+
 ARCH_OVERRIDES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 24},
     "gemma2": {"sliding_window": 16, "attn_logit_softcapping": 2.0, "final_logit_softcapping": None,

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from tests.conftest import CudaLooking
 from workers.engine.attention.selector import create_backend
 from workers.engine.attention.torch_backend import TorchBackend
 
@@ -92,12 +93,6 @@ def test_flash_attn_refuses_unsupported_cache(fake_flash_attn: None, cache: torc
         create_backend("flash_attn", cache)
 
 
-class _CudaLooking(torch.Tensor):
-    """A CPU tensor that reports `is_cuda`, to drive "auto" down its GPU branch without a GPU."""
-
-    is_cuda = property(lambda self: True)
-
-
 @pytest.mark.parametrize("flash_installed, block_size, expected", [
     (False, 256, "TritonBackend"),
     (True, 256, "FlashAttnBackend"),
@@ -110,5 +105,5 @@ def test_auto_on_cuda(monkeypatch: pytest.MonkeyPatch, flash_installed: bool, bl
     monkeypatch.setitem(sys.modules, "flash_attn", stub_flash_attn() if flash_installed else None)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
-    cache = kv_cache(block_size=block_size).as_subclass(_CudaLooking)
+    cache = kv_cache(block_size=block_size).as_subclass(CudaLooking)
     assert type(create_backend("auto", cache)).__name__ == expected

@@ -21,9 +21,9 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from tests.paged_cases import assert_matches_reference, random_step  # noqa: E402
 from workers.engine.attention import triton_kernels  # noqa: E402
-from workers.engine.attention.base import AttentionMetadata  # noqa: E402
-from workers.engine.attention.torch_backend import TorchBackend, store_kvcache  # noqa: E402
+from workers.engine.attention.torch_backend import store_kvcache  # noqa: E402
 from workers.engine.attention.triton_backend import (  # noqa: E402
     TritonBackend,
     choose_num_splits,
@@ -37,58 +37,19 @@ if not ON_GPU and not isinstance(tl.sum, InterpretedFunction):
     importlib.reload(triton_kernels)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int, pad_tokens: int,
-                  gen: torch.Generator) -> AttentionMetadata:
-    """A packed step over sequences given as (query_len, kv_len), blocks drawn at random."""
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [[free.pop() for _ in range(-(-kv_len // block_size))] for _, kv_len in pairs]
-    width = max(1, max(len(t) for t in tables))
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    slots = []
-    for (q_len, kv_len), table in zip(pairs, tables, strict=True):
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(kv_len - q_len, kv_len)]
-    q_lens = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64, device=DEVICE),
-        cu_seqlens_q=torch.nn.functional.pad(q_lens.cumsum(0), (1, 0)).to(DEVICE, torch.int32),
-        seq_lens=torch.tensor([k for _, k in pairs], dtype=torch.int32, device=DEVICE),
-        block_table=block_table.to(DEVICE), max_seqlen_q=int(q_lens.max()),
-        max_seqlen_k=max(k for _, k in pairs))
 
 
 def run_both(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
              dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None,
              pad_tokens: int = 0, num_sms: int | None = None) -> None:
-    """One layer through the torch reference (in float32, from the same rounded inputs) and
-    TritonBackend (in `dtype`); compare outputs and caches. `num_sms` pretends a GPU size."""
-    gen = torch.Generator().manual_seed(sum(q + k for q, k in pairs) + head_dim + block_size)
-    num_heads, num_kv_heads = heads
-    num_blocks = sum(-(-k // block_size) for _, k in pairs) + 3
-    meta = make_metadata(pairs, block_size, num_blocks, pad_tokens, gen)
-    num_tokens = meta.slot_mapping.shape[0]
-    cache = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    q = torch.randn(num_heads, num_tokens, head_dim, generator=gen) * 2
-    k, v = torch.randn(2, num_kv_heads, num_tokens, head_dim, generator=gen)
-    # [H, T, D] transposed to [T, H, D], as a model's attention hands them over (non-contiguous)
-    cache, q, k, v = (x.to(DEVICE, dtype) for x in (cache, q.transpose(0, 1), k.transpose(0, 1),
-                                                     v.transpose(0, 1)))
-    reference, triton_backend = TorchBackend(cache.float()), TritonBackend(cache.clone(), splits)
-    triton_backend.num_sms = num_sms or triton_backend.num_sms
-    outputs = []
-    for backend, dt in ((reference, torch.float32), (triton_backend, dtype)):
-        backend.prepare_metadata(meta)
-        outputs.append(backend.forward(1, q.to(dt), k.to(dt), v.to(dt), head_dim ** -0.5, window,
-                                       softcap).float())
-    valid = int(meta.cu_seqlens_q[-1])
-    torch.testing.assert_close(outputs[1][:valid], outputs[0][:valid], atol=TOLERANCE[dtype],
-                               rtol=TOLERANCE[dtype])
-    assert torch.equal(triton_backend.kv_cache.float(), reference.kv_cache)
+    """One layer through TritonBackend (in `dtype`) against the torch reference; `splits` None lets
+    the heuristic choose (and it must split); `num_sms` pretends a GPU size."""
+    meta, cache, q, k, v = random_step(pairs, heads, head_dim, block_size, pad_tokens, DEVICE, dtype)
+    backend = TritonBackend(cache, splits)
+    backend.num_sms = num_sms or backend.num_sms
+    assert_matches_reference(backend, meta, q, k, v, window, softcap)
     if splits is None:
-        assert triton_backend.num_splits > 1
+        assert backend.num_splits > 1
 
 
 MIXED = [(1, 1328), (5, 18), (129, 463), (1, 1), (7, 7), (0, 0), (1, 70)]
