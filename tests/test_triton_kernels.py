@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
+from tests.conftest import ON_GPU
+
 if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # forced, unlike conftest's default: these tests need it
 
 pytest.importorskip("triton")
 
