@@ -12,11 +12,12 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int, pad_tokens: int,
-                  gen: torch.Generator, device: str) -> AttentionMetadata:
-    """A packed step over sequences given as (query_len, kv_len), blocks drawn at random."""
+                  gen: torch.Generator, device: str, width: int = 1) -> AttentionMetadata:
+    """A packed step over sequences given as (query_len, kv_len), blocks drawn at random; block
+    table rows padded to at least `width` entries."""
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-kv_len // block_size))] for _, kv_len in pairs]
-    width = max(1, max(len(t) for t in tables))
+    width = max(width, max(len(t) for t in tables))
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     slots = []
     for (q_len, kv_len), table in zip(pairs, tables, strict=True):
@@ -32,13 +33,14 @@ def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int
 
 
 def random_step(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
-                pad_tokens: int, device: str, dtype: torch.dtype) -> tuple:
-    """Metadata, a random two-layer cache and q/k/v `[T, H, D]` (non-contiguous, as a model's
-    attention hands them over), seeded by the shapes."""
+                pad_tokens: int, device: str, dtype: torch.dtype, num_blocks: int = 0,
+                width: int = 1) -> tuple:
+    """Metadata, a random two-layer cache (at least `num_blocks` blocks) and q/k/v `[T, H, D]`
+    (non-contiguous, as a model's attention hands them over), seeded by the shapes."""
     gen = torch.Generator().manual_seed(sum(q + k for q, k in pairs) + head_dim + block_size)
     num_heads, num_kv_heads = heads
-    num_blocks = sum(-(-k // block_size) for _, k in pairs) + 3
-    meta = make_metadata(pairs, block_size, num_blocks, pad_tokens, gen, device)
+    num_blocks = max(num_blocks, sum(-(-k // block_size) for _, k in pairs) + 3)
+    meta = make_metadata(pairs, block_size, num_blocks, pad_tokens, gen, device, width)
     num_tokens = meta.slot_mapping.shape[0]
     cache = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(num_heads, num_tokens, head_dim, generator=gen) * 2

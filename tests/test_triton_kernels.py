@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from tests.paged_cases import assert_matches_reference, random_step  # noqa: E402
 from workers.engine.attention import triton_kernels  # noqa: E402
-from workers.engine.attention.torch_backend import store_kvcache  # noqa: E402
+from workers.engine.attention.torch_backend import TorchBackend, store_kvcache  # noqa: E402
 from workers.engine.attention.triton_backend import (  # noqa: E402
     TritonBackend,
     choose_num_splits,
@@ -133,3 +133,61 @@ def test_store_kv_skips_padding_slots(dtype: torch.dtype) -> None:
     store_kvcache(k, v, expected[0], expected[1], slots)
     triton_kernels.store_kv(k, v, cache[0], cache[1], slots)
     assert torch.equal(cache, expected)
+
+
+class LaunchRecorder:
+    """Stands in for a jitted kernel: runs each launch and logs (kernel, grid, args, kwargs)."""
+
+    def __init__(self, kernel, log: list) -> None:
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **kwargs):
+            self.log.append((self.kernel, grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+GRAPH_STEPS = {  # two steps per case with equal shapes (tokens, sequences) and different data
+    "mixed": ([(1, 300), (5, 18), (40, 90), (0, 0), (7, 7)],
+              [(3, 100), (1, 1), (30, 200), (12, 12), (7, 40)]),
+    "decode": ([(1, 700), (1, 18), (1, 1), (0, 0)], [(1, 5), (1, 900), (0, 0), (1, 260)]),
+}
+
+
+@pytest.mark.parametrize("case, splits", [("mixed", 1), ("mixed", 2), ("decode", 1), ("decode", 4)])
+def test_launches_replay_like_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, case: str,
+                                           splits: int) -> None:
+    """What a captured CUDA graph does: the first step's launches (grids, scalar arguments and
+    buffers unchanged) replayed after the second step's data is copied into the same buffers give
+    the second step's result, so no launch depends on a host integer taken from the data."""
+    log: list = []
+    for name in ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"):
+        monkeypatch.setattr(triton_kernels, name, LaunchRecorder(getattr(triton_kernels, name), log))
+    block_size, steps = 16, GRAPH_STEPS[case]
+    blocks = [-(-k // block_size) for pairs in steps for _, k in pairs]
+    shape = dict(num_blocks=sum(blocks) + 3, width=max(blocks))
+    first, second = (random_step(p, (8, 2), 64, block_size, 2, DEVICE, torch.float32, **shape)
+                     for p in steps)
+    captured = TritonBackend(first[1], splits)
+    captured.prepare_metadata(first[0])
+    captured.forward(1, *first[2:], 0.125, 50, 5.0)
+    for buffers in ((first[0], second[0]), *zip(first[1:], second[1:])):
+        _copy_into(*buffers)
+    reference = TorchBackend(second[1].clone())
+    reference.prepare_metadata(second[0])
+    expected = reference.forward(1, *second[2:], 0.125, 50, 5.0)
+    for kernel, grid, args, kwargs in log:
+        kernel[grid](*args, **kwargs)
+    out, valid = log[1][2][0], int(second[0].cu_seqlens_q[-1])
+    torch.testing.assert_close(out[:valid], expected[:valid], atol=2e-5, rtol=2e-5)
+    assert torch.equal(first[1], reference.kv_cache)
+
+
+def _copy_into(dst, src) -> None:
+    """Copy a step's tensors (or metadata's tensor fields) into another step's, in place."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+        return
+    for name in ("slot_mapping", "cu_seqlens_q", "seq_lens", "block_table"):
+        getattr(dst, name).copy_(getattr(src, name))
