@@ -116,14 +116,17 @@ def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr
 
 @triton.jit
 def _key_range(seq_len, q_len, tile, window, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-               USE_WINDOW: tl.constexpr):
-    """Keys any query of the tile may see: [lo, hi), lo aligned down to TILE_N."""
+               NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """This program's keys [lo, hi): of those any query of the tile may see (lo aligned down to
+    TILE_N), segment `program_id(2)` of NUM_SPLITS, in whole TILE_N steps."""
     first_q_pos = seq_len - q_len + tile * BLOCK_Q
     hi = seq_len - q_len + tl.minimum((tile + 1) * BLOCK_Q, q_len)
     lo = 0
     if USE_WINDOW:
-        lo = tl.maximum(first_q_pos - window + 1, 0)
-    return lo // TILE_N * TILE_N, hi
+        lo = tl.maximum(first_q_pos - window + 1, 0) // TILE_N * TILE_N
+    per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), NUM_SPLITS) * TILE_N
+    lo = lo + tl.program_id(2) * per_split
+    return lo, tl.minimum(hi, lo + per_split)
 
 
 @triton.jit
@@ -154,10 +157,7 @@ def _paged_attention_kernel(
     io_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=io_mask, other=0.0)
-    lo, hi = _key_range(seq_len, q_len, tile, window, BLOCK_Q, TILE_N, USE_WINDOW)
-    per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), NUM_SPLITS) * TILE_N
-    lo = lo + tl.program_id(2) * per_split
-    hi = tl.minimum(hi, lo + per_split)
+    lo, hi = _key_range(seq_len, q_len, tile, window, BLOCK_Q, TILE_N, NUM_SPLITS, USE_WINDOW)
     acc, m_i, l_i = _attend(
         q, seq_len - q_len + q_idx, lo, hi, window, scale, softcap,
         k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
