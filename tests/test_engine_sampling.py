@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts, run
-from tests.test_engine_parity import exact_distribution
+from tests.test_engine_parity import exact_distribution, reference_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,18 @@ def test_sampled_children_differ_and_share_blocks(qwen3, prompt_len):
         rows.update((row["sample_index"], row) for row in engine.step())
         engine.check_integrity()
     assert len({tuple(row["token_ids"]) for row in rows.values()}) == 8
+
+
+def test_fork_after_a_one_token_prefill_chunk(qwen3):
+    """A 17-token prompt in chunks of 8, 8 and 1: the last chunk still forks with a partial block per
+    child (shared, children would overwrite each other's KV; logprobs show it, greedy does not)."""
+    prompt = random_prompts(1, 512, (17, 17), seed=9)[0]
+    params = SamplingParams(n=3, max_new_tokens=6, seed=0, ignore_eos=True, logprobs_mode="raw")
+    rows = run(make_engine(qwen3, max_batch_tokens=8), [prompt], params)
+    model = hf_model(qwen3)
+    for s in range(3):
+        want = reference_logprobs(model, prompt, rows[(0, s)]["token_ids"], params)
+        assert rows[(0, s)]["logprobs"] == pytest.approx(want, abs=1e-4), f"sample {s}"
 
 
 def test_seeded_sample_independent_of_batch(qwen3):

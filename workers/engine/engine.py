@@ -272,7 +272,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Assert that block accounting balances (tests call this after every step)."""
-        self.pool.check_integrity(self.scheduler.block_tables())
+        self.scheduler.check_integrity()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; KV already computed is never matched again."""

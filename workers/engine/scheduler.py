@@ -48,7 +48,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
-        decodes = [s for s in self.running if s.num_uncomputed == 1][:budget]
+        decodes = [s for s in self.running if _is_decode(s)][:budget]
         if not self._make_room(batch, decodes):
             decodes += self._restore(batch, decodes)[: budget - len(decodes)]
         for seq in decodes:
@@ -56,7 +56,7 @@ class Scheduler:
             batch.add(seq, 1)
         budget -= len(decodes)
         while True:
-            for seq in [s for s in self.running if s.num_uncomputed > 1]:
+            for seq in [s for s in self.running if s.num_uncomputed and not _is_decode(s)]:
                 budget -= self._schedule_prefill(batch, seq, budget)
             if not self.swapper.swapped:
                 budget -= self._admit(batch, budget)
@@ -229,3 +229,16 @@ class Scheduler:
     def block_tables(self) -> list[list[int]]:
         """Every block owner, for `BlockPool.check_integrity`."""
         return [s.block_table for s in self.sequences()] + list(self.fork_blocks.values())
+
+    def check_integrity(self) -> None:
+        """Block accounting balances, and every block a sequence will still write is its alone."""
+        self.pool.check_integrity(self.block_tables())
+        for seq in self.sequences():
+            for block in seq.block_table[seq.num_computed_tokens // self.block_size:]:
+                assert self.pool.ref_counts[block] == 1, f"block {block} is shared but still written"
+
+
+def _is_decode(seq: Sequence) -> bool:
+    """One token left to compute, by a sample: a prompt's last token goes through prefill, which
+    reserves the blocks of its fork."""
+    return seq.num_uncomputed == 1 and seq.is_forked
