@@ -62,3 +62,11 @@ def test_reset_prefix_cache():
     pool.reset_prefix_cache()
     pool.check_integrity([[b]])
     assert pool.lookup(2, [3, 4]) is None and len(pool.free) == 2
+
+
+def test_integrity_catches_a_block_twice_in_one_table():
+    pool = BlockPool(3, 2)
+    (a,) = pool.allocate(1)
+    pool.share(a)
+    with pytest.raises(AssertionError, match="twice in one block table"):
+        pool.check_integrity([[a, a]])

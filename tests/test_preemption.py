@@ -5,9 +5,15 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from rollout import SamplingParams
 from tests.conftest import DEVICES, make_engine, random_prompts, run
+from workers.engine.batch import Batch
+from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.offload import CpuPool
+from workers.engine.preemption import Swapper
+from workers.engine.sequence import Group, Sequence, Status
 
 BLOCK = 8
 BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
@@ -92,3 +98,29 @@ def test_abort_of_offloaded_request_frees_cpu_blocks(workload):
         engine.step()
         engine.check_integrity()
     assert engine.stats()["cpu_blocks_used"] == 0 and victim in ids
+
+
+def test_restore_keeps_the_cached_blocks_it_reuses():
+    """Restoring with an empty free list: the block copied back in may evict only cached blocks the
+    sequence does not reuse (here its own blocks 1 and 2 are the oldest cached)."""
+    pool = BlockPool(7, 2)
+    swapper = Swapper(pool, CpuPool(torch.zeros(1, 2, 7, 2, 1, 1), gib=1e-6))
+    tokens = [11, 12, 13, 14, 15, 16, 17]
+    group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 1)
+    seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)
+    seq.block_table = pool.allocate(3)
+    for i in range(3):
+        seq.block_hashes.append(hash_block(seq.block_hashes[-1] if i else 0, tokens[2 * i:2 * i + 2]))
+    for i in (1, 2):  # block 0 stays unregistered (another block held its hash when it completed)
+        pool.register(seq.block_table[i], seq.block_hashes[i], tokens[2 * i:2 * i + 2])
+    assert swapper.offload(seq, Batch())
+    others = pool.allocate(5)
+    for i, block in enumerate(others[:2]):
+        pool.register(block, 1000 + i, [i, i])
+    pool.release(others[:2])  # cached after blocks 2 and 1: evicted later
+    plan, _ = swapper.plan_restore(seq)
+    assert plan == [None, 1, 2] and not pool.free
+    batch = Batch()
+    swapper.restore(seq, plan, batch)
+    assert seq.block_table == [others[0], 1, 2] and batch.swap_in == [(0, others[0])]
+    pool.check_integrity([seq.block_table, others[2:]])

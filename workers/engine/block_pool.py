@@ -98,6 +98,7 @@ class BlockPool:
         """Prove free + used + cached == total and that refcounts equal the owners in block tables."""
         owners = [0] * self.num_blocks
         for table in block_tables:
+            assert len(set(table)) == len(table), f"a block is twice in one block table: {table}"
             for block in table:
                 owners[block] += 1
         used = sum(1 for c in self.ref_counts if c > 0)

@@ -65,14 +65,16 @@ class Swapper:
         nothing is offloaded in a step that restores, so no swap-out can overwrite them first."""
         slots = self.cpu_blocks.pop(id(seq))
         bs = self.pool.block_size
+        for found in plan:
+            if found is not None:
+                self.pool.share(found)  # before allocating, which could evict it from the cache
+        fresh = iter(self.pool.allocate(plan.count(None)))
         for i, (found, slot) in enumerate(zip(plan, slots)):
             if found is None:
-                found = self.pool.allocate(1)[0]
+                found = next(fresh)
                 batch.swap_in.append((slot, found))
                 if i < len(seq.block_hashes):
                     self.pool.register(found, seq.block_hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
-            else:
-                self.pool.share(found)
             seq.block_table.append(found)
         self.cpu_pool.release([s for s in slots if s >= 0])
         seq.status = Status.RUNNING
