@@ -7,6 +7,7 @@ import torch
 
 from rollout import SamplingParams
 from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
+from workers.engine.weights import load_source
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 
@@ -49,6 +50,20 @@ def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
         engine.update_weights(state, version=1)
     assert engine.policy_version == 0
     assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(old, prompt)
+
+
+def test_tied_embeddings_update_from_a_checkpoint(model_dir):
+    """Checkpoints of models with tied embeddings leave out `lm_head.weight`: the update goes through
+    the embedding it shares; with neither name given, both are reported missing."""
+    old, new = (model_dir("qwen2", tie_word_embeddings=True, seed=seed) for seed in (0, 1))
+    assert "lm_head.weight" not in load_source(new)
+    prompt = random_prompts(1, 512, (12, 12), seed=52)[0]
+    engine = make_engine(old)
+    engine.update_weights(new, version=1)
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, prompt)
+    state = {k: v for k, v in load_source(old).items() if k != "model.embed_tokens.weight"}
+    with pytest.raises(ValueError, match="missing 'model.embed_tokens.weight'; missing 'lm_head.weight'"):
+        engine.update_weights(state, version=2)
 
 
 def test_bad_mode_and_source(policies, tmp_path):

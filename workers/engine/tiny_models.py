@@ -60,8 +60,8 @@ def build_tiny_model(path: str | Path, arch: str = "qwen3", *, vocab_size: int =
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 3,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range, tie_word_embeddings=False, eos_token_id=eos_id,
-        bos_token_id=None, pad_token_id=tokenizer.pad_token_id, **config_overrides)
+        initializer_range=initializer_range, eos_token_id=eos_id, bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id, **{"tie_word_embeddings": False, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = eos_id

@@ -29,7 +29,8 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> 
     """(destination, source) pairs for every entry of the model's state dict; ValueError listing
     every missing or unexpected name and every shape or dtype mismatch, before anything is copied."""
     targets = model.state_dict()
-    problems = [f"missing {name!r}" for name in targets if name not in state]
+    given = {_storage(dst) for name, dst in targets.items() if name in state}
+    problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
     problems += [f"unexpected {name!r}" for name in state if name not in targets]
     for name, dst in targets.items():
         src = state.get(name)
@@ -44,7 +45,13 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> 
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ValueError(f"weights refused, nothing was changed: {shown}")
-    return [(targets[name], torch.as_tensor(state[name])) for name in targets]
+    return [(dst, torch.as_tensor(state[name])) for name, dst in targets.items() if name in state]
+
+
+def _storage(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live: tied parameters (an LM head sharing the embedding, left out of
+    checkpoints) have the same, and are updated through whichever name is given."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
 
 
 @torch.no_grad()
