@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 import msgspec
 import tomllib
 
+from rollout.checks import check_types
+
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -38,6 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        check_types(self)
         _choice("device", self.device.split(":")[0], DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -69,6 +72,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     object_store_memory_gib: float = 2.0
 
     def __post_init__(self) -> None:
+        check_types(self)
         _bound(self, ">=", 1, "num_workers", "flush_rows")
         _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib")
         _bound(self, ">=", 0, "flush_delay_s")
@@ -80,7 +84,7 @@ def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **ove
     """A ServiceConfig from a TOML path or a struct plus field overrides; EngineConfig fields may be
     given at top level (`model=...`) or as an `engine` dict. A leading `~` in the model path is expanded."""
     data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source, dict)
-    engine = {**data.get("engine", {}), **overrides.pop("engine", {})}
+    engine = {**data.get("engine", {}), **msgspec.to_builtins(overrides.pop("engine", {}))}
     engine.update({k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__struct_fields__})
     config = convert({**data, **overrides, "engine": engine}, ServiceConfig)
     model = os.path.expanduser(config.engine.model)

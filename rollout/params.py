@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
+from rollout.checks import check_types
+
+GREEDY_TEMPERATURE = 1e-5  # below it (0 included) sampling is greedy: logits / T would overflow
 LOGPROBS_MODES = ("processed", "raw")
 UPDATE_MODES = ("continue", "abort", "finish")  # what a weight update does to samples already started
 
@@ -12,7 +15,7 @@ UPDATE_MODES = ("continue", "abort", "finish")  # what a weight update does to s
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How to sample the completions of one prompt; validated on construction.
 
-    `temperature=0` means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
+    `temperature=0` (or below 1e-5) means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
     fresh seed per request; a fixed seed makes each sample independent of what shares its batch.
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     """
@@ -30,22 +33,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_versions: bool = False
 
     def __post_init__(self) -> None:
+        check_types(self)
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0 disables it)")
+        _check(0 <= self.top_k < 2**63, "top_k", self.top_k, "must be in [0, 2**63) (0 disables it)")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
-        _check(self.seed is None or self.seed >= 0, "seed", self.seed, "must be None or >= 0")
+        _check(self.seed is None or 0 <= self.seed < 2**64, "seed", self.seed, "must be None or in [0, 2**64)")
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
                f"must be one of {LOGPROBS_MODES}")
 
     @property
     def greedy(self) -> bool:
         """True when the sample is the argmax at every step."""
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SamplingParams":

@@ -63,6 +63,15 @@ def test_fork_after_a_one_token_prefill_chunk(qwen3):
         assert rows[(0, s)]["logprobs"] == pytest.approx(want, abs=1e-4), f"sample {s}"
 
 
+def test_tiny_temperature_is_greedy(qwen3):
+    """Below 1e-5 the temperature counts as 0: logits / T would overflow to nan."""
+    prompt = random_prompts(1, 512, (10, 10), seed=10)
+    greedy = run(make_engine(qwen3), prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    tiny = run(make_engine(qwen3), prompt, SamplingParams(temperature=1e-39, max_new_tokens=8))
+    assert tiny[(0, 0)]["token_ids"] == greedy[(0, 0)]["token_ids"]
+    assert tiny[(0, 0)]["logprobs"] == greedy[(0, 0)]["logprobs"]
+
+
 def test_seeded_sample_independent_of_batch(qwen3):
     target = random_prompts(1, 512, (25, 25), seed=3)[0]
     params = SamplingParams(n=4, temperature=0.9, top_p=0.95, max_new_tokens=20, seed=1234, ignore_eos=True)

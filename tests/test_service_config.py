@@ -6,7 +6,7 @@ import pytest
 import ray
 
 import rollout
-from rollout.config import LOCAL_CONFIG, load_service_config
+from rollout.config import LOCAL_CONFIG, EngineConfig, load_service_config
 
 
 @pytest.fixture
@@ -46,3 +46,5 @@ def test_shipped_configs_load(tmp_path):
     cluster = load_service_config(LOCAL_CONFIG.parent / "cluster.toml")
     assert cluster.num_workers is None and cluster.engine.device == "cuda"
     assert load_service_config(cluster, model="/m", num_workers=3).engine.model == "/m"
+    engine = load_service_config(engine=EngineConfig(model="/e", num_blocks=7)).engine
+    assert (engine.model, engine.num_blocks, engine.dtype) == ("/e", 7, "float32")

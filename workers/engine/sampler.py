@@ -132,7 +132,7 @@ def build_sampling_batch(rows: list[SampleRow], device: torch.device) -> Samplin
         return torch.tensor(values, dtype=dtype, device=device)
 
     return SamplingBatch(
-        temperature=col([p.temperature for p in params], torch.float32),
+        temperature=col([0.0 if p.greedy else p.temperature for p in params], torch.float32),
         top_k=col([p.top_k for p in params], torch.long),
         top_p=col([p.top_p for p in params], torch.float32),
         min_p=col([p.min_p for p in params], torch.float32),
