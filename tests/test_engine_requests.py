@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
@@ -118,6 +120,8 @@ def test_sample_indices_subset(qwen3):
     ([1, -3], SamplingParams(), "token id -3 outside"),
     ([5] * 1024, SamplingParams(), "1024 tokens"),
     ([5, 6], SamplingParams(n=2), None),
+    ([5, 2.0], SamplingParams(), "prompt 0 has 2.0, which is not an integer token id"),
+    (7, SamplingParams(), "prompt 0 must be a string or a list of token ids, got int"),
 ])
 def test_bad_prompts_rejected_before_work(qwen3, prompt, params, match):
     engine = make_engine(qwen3)
@@ -131,6 +135,15 @@ def test_bad_prompts_rejected_before_work(qwen3, prompt, params, match):
     assert run(engine, [[5, 6, 7]], GREEDY)[(0, 0)]["finish_reason"] == "length"
 
 
+def test_prompts_as_arrays_and_all_checked_before_any_is_queued(qwen3):
+    engine = make_engine(qwen3, num_blocks=4)
+    arrays = [np.array([5, 6, 7]), torch.tensor([5, 6, 7]), (5, 6, 7)]
+    assert engine.tokenize(arrays) == [[5, 6, 7]] * 3
+    with pytest.raises(ValueError, match="a prompt of 70 tokens .* needs 6 blocks"):
+        engine.generate([[1, 2, 3], list(range(5, 75))], GREEDY)
+    assert not engine.has_unfinished(), "the first prompt was not queued"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n=0), "n=0"), (dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),
     (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2"), (dict(min_p=2.0), "min_p=2.0"),
@@ -142,6 +155,20 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams.from_kwargs(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=2.0), "n=2.0 is not of type int"), (dict(max_new_tokens=True), "max_new_tokens=True is not"),
+    (dict(temperature=float("nan")), "temperature=nan is not of type float"),
+    (dict(stop_token_ids=[1, "2"]), r"is not of type list\[int\]"),
+    (dict(ignore_eos=1), "ignore_eos=1 is not of type bool"),
+    (dict(seed=2**64), r"seed=18446744073709551616 must be None or in \[0, 2\*\*64\)"),
+    (dict(top_k=10**30), "top_k=1000000000000000000000000000000 must be"),
+])
+def test_sampling_params_built_directly_are_type_checked(kwargs, match):
+    """Keyword construction (msgspec checks types only when decoding) refuses ill-typed values."""
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
 def test_bad_configs(qwen3, tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         convert({"model": qwen3, "bogus": 1}, EngineConfig)
@@ -149,6 +176,12 @@ def test_bad_configs(qwen3, tmp_path):
         convert({"model": qwen3, "block_size": "big"}, EngineConfig)
     with pytest.raises(ValueError, match="dtype='float8'"):
         EngineConfig(model=qwen3, dtype="float8")
+    with pytest.raises(ValueError, match="max_batch_tokens=2.5 is not of type int"):
+        EngineConfig(model=qwen3, max_batch_tokens=2.5)
+    with pytest.raises(ValueError, match="enable_prefix_caching='no' is not of type bool"):
+        EngineConfig(model=qwen3, enable_prefix_caching="no")
+    with pytest.raises(ValueError, match="cpu_offload_gib=inf"):
+        EngineConfig(model=qwen3, cpu_offload_gib=float("inf"))
     with pytest.raises(ValueError, match="not a model directory"):
         Engine(EngineConfig(model=str(tmp_path / "missing")))
 

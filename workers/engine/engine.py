@@ -17,6 +17,7 @@ from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
+from workers.engine.request_checks import check_fits, check_prompt
 from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
@@ -57,29 +58,18 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but model {self.config.model!r} has no tokenizer")
                 prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out.append(self._check_prompt(i, list(prompt)))
+            out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
         return out
-
-    def _check_prompt(self, index: int, ids: list[int]) -> list[int]:
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's maximum length is "
-                             f"{self.max_model_len} (prompt + at least one generated token)")
-        return ids
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt_index: int = 0,
                     sample_indices: list[int] | None = None) -> str:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
-        ids = self._check_prompt(prompt_index, list(prompt_token_ids))
+        ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
         if not indices or not all(0 <= i < params.n for i in indices):
             raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({params.n})")
-        self._check_fits(len(ids), params, len(indices))
+        check_fits(self.config, self.max_model_len, len(ids), params, len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in flight")
@@ -89,20 +79,6 @@ class Engine:
         self.groups[request_id] = group
         self.scheduler.add(Sequence(group, indices, list(ids)))
         return request_id
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams, num_samples: int) -> None:
-        """Refuse a request the cache could never hold, so nothing waits forever."""
-        cfg = self.config
-        if num_samples > cfg.max_num_seqs:
-            raise ValueError(f"{num_samples} samples of one prompt exceed max_num_seqs={cfg.max_num_seqs}")
-        longest = min(prompt_len + params.max_new_tokens, self.max_model_len) - 1
-        need = -(-longest // cfg.block_size)
-        at_fork = -(-prompt_len // cfg.block_size) + (num_samples - 1 if prompt_len % cfg.block_size else 0)
-        if max(need, at_fork) > cfg.num_blocks:
-            raise ValueError(
-                f"a prompt of {prompt_len} tokens with max_new_tokens={params.max_new_tokens} and "
-                f"{num_samples} samples needs {max(need, at_fork)} blocks of {cfg.block_size} tokens; "
-                f"the cache has num_blocks={cfg.num_blocks}")
 
     def abort(self, request_id: str) -> list[dict]:
         """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""
@@ -249,6 +225,8 @@ class Engine:
                  use_tqdm: bool = False) -> pa.Table:
         """Every sample of every prompt, rows ordered by prompt then sample."""
         token_lists = self.tokenize(prompts)
+        for ids in token_lists:
+            check_fits(self.config, self.max_model_len, len(ids), params, params.n)  # all, then queue
         for i, ids in enumerate(token_lists):
             self.add_request(ids, params, prompt_index=i)
         rows = []

@@ -1,0 +1,45 @@
+"""Checks of a request before it is queued: a bad prompt, or one the cache could never hold, is
+refused with an error naming it instead of failing in a step or waiting forever."""
+
+from __future__ import annotations
+
+import numbers
+
+from rollout.config import EngineConfig
+from rollout.params import SamplingParams
+
+
+def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int) -> list[int]:
+    """Prompt `index` as a list of ints (lists, tuples, numpy arrays and tensors of integers)."""
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError(f"prompt {index} is empty")
+    not_int = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+    if not_int is not None:
+        raise ValueError(f"prompt {index} has {not_int!r}, which is not an integer token id")
+    ids = [int(t) for t in ids]
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's maximum length is "
+                         f"{max_model_len} (prompt + at least one generated token)")
+    return ids
+
+
+def check_fits(config: EngineConfig, max_model_len: int, prompt_len: int, params: SamplingParams,
+               num_samples: int) -> None:
+    """Refuse `num_samples` samples of a prompt that the cache or `max_num_seqs` could never hold."""
+    if num_samples > config.max_num_seqs:
+        raise ValueError(f"{num_samples} samples of one prompt exceed max_num_seqs={config.max_num_seqs}")
+    bs = config.block_size
+    longest = min(prompt_len + params.max_new_tokens, max_model_len) - 1
+    need = -(-longest // bs)
+    at_fork = -(-prompt_len // bs) + (num_samples - 1 if prompt_len % bs else 0)
+    if max(need, at_fork) > config.num_blocks:
+        raise ValueError(
+            f"a prompt of {prompt_len} tokens with max_new_tokens={params.max_new_tokens} and "
+            f"{num_samples} samples needs {max(need, at_fork)} blocks of {bs} tokens; "
+            f"the cache has num_blocks={config.num_blocks}")
