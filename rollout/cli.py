@@ -148,10 +148,11 @@ def _serve(args: argparse.Namespace) -> int:
     once and keeps running."""
     import ray
 
+    from rollout.local_ray import join_cluster
     from rollout.service import launch, stop
 
     config = load_service_config(args.config, **_overrides(args))
-    ray.init(address=args.address, namespace=config.namespace)
+    join_cluster(args.address, config.namespace)
     service = launch(config, detached=args.detach)
     print(f"rollout service {config.name!r} ready in namespace {config.namespace!r} with "
           f"{ray.get(service.ready.remote())} workers", flush=True)
@@ -171,10 +172,11 @@ def _stop(args: argparse.Namespace) -> int:
     """Stop the service named by --config (its workers and the service actor) on a running Ray cluster."""
     import ray
 
+    from rollout.local_ray import join_cluster
     from rollout.service import stop
 
     config = load_service_config(args.config, **_overrides(args))
-    ray.init(address=args.address, namespace=config.namespace)
+    join_cluster(args.address, config.namespace)
     stop(ray.get_actor(config.name, namespace=config.namespace))
     print(f"rollout service {config.name!r} stopped", flush=True)
     return 0

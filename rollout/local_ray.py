@@ -6,7 +6,8 @@ import math
 import os
 
 import ray
-from ray._private import ray_constants
+from ray._common.network_utils import is_localhost, parse_address
+from ray._private import ray_constants, services
 
 from rollout.config import ServiceConfig
 
@@ -14,11 +15,30 @@ from rollout.config import ServiceConfig
 def start_local_ray(config: ServiceConfig) -> None:
     """Start a private Ray instance for the embedded service: no dashboard, a bounded object store, enough
     CPUs for the configured workers, listeners on 127.0.0.1 only (never joins a running cluster)."""
-    # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
-    # it sets is overridden too); the processes it starts read it from the environment.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    _loopback_only()
     workers = config.num_workers or 1
     ray.init(address="local", include_dashboard=False, namespace=config.namespace,
              num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
              object_store_memory=int(config.object_store_memory_gib * 2**30))
+
+
+def join_cluster(address: str, namespace: str) -> None:
+    """Join the cluster at `address` ("auto": RAY_ADDRESS, or the head node on this machine) as a driver.
+    A cluster on 127.0.0.1 is joined on 127.0.0.1: otherwise Ray rewrites the address to this machine's
+    IP, where nothing listens, and retries for ever."""
+    try:
+        resolved = services.get_ray_address_from_environment(address, None)
+        host = parse_address(resolved)[0] if resolved not in (None, "auto", "local") else None
+    except Exception:  # no cluster found, or a malformed address: ray.init says which, below
+        host = None
+    if host and is_localhost(host):
+        _loopback_only()
+    ray.init(address=address, namespace=namespace)
+
+
+def _loopback_only() -> None:
+    """Keep this process's Ray, and every process it starts, on 127.0.0.1."""
+    # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
+    # it sets is overridden too); the processes it starts read it from the environment.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False

@@ -119,8 +119,10 @@ def test_submit_serve_connect_sample_stop(ray_head, model_dir, tmp_path):
     jobs = job_client(dashboard, env)
     job = jobs.submit_job(entrypoint=f"rollout serve --config {config}")
 
-    driver = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, gcs], env=env, capture_output=True,
-                            text=True, timeout=240)
+    # the trainer's environment lacks the loopback-only switch: connect joins on 127.0.0.1 by itself
+    trainer_env = {k: v for k, v in env.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    driver = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, gcs], env=trainer_env,
+                            capture_output=True, text=True, timeout=240)
     assert driver.returncode == 0, driver.stderr[-3000:] + jobs.get_job_logs(job)[-3000:]
     result = json.loads(driver.stdout.strip().splitlines()[-1])
     assert result["rows"] == 6 and result["workers"] == [0, 1]

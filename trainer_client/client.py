@@ -8,6 +8,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from rollout.local_ray import join_cluster
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
@@ -27,7 +28,7 @@ class RolloutClient:
         `timeout_s` for the service `namespace/name` to exist and finish loading its engines. An explicit
         address on a token-auth cluster needs RAY_AUTH_MODE=token in the environment."""
         if not ray.is_initialized():
-            ray.init(address=address, namespace=namespace)
+            join_cluster(address, namespace)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
