@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = ["init", "sample", "update_weights", "init_weight_sync", "shutdown", "
 _service: ActorHandle | None = None
 _owns_ray = False  # True when init started the local Ray, which shutdown then stops
 _weight_sync: WeightSync | None = None  # init_weight_sync's group, for update_weights(transport="broadcast")
+_lock = threading.RLock()  # one init (explicit, or the first sample's) at a time
 
 
 def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> None:
@@ -27,20 +29,31 @@ def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) ->
     `model` or `dtype` may be given at top level). Without a running Ray it starts a local one on
     127.0.0.1; inside an initialised Ray (e.g. a Ray job) it starts the workers there."""
     global _service, _owns_ray
-    if _service is not None:
-        raise RuntimeError("rollout is already initialised; call rollout.shutdown() first")
-    config = load_service_config(config, **overrides)
-    if not ray.is_initialized():
-        if not Path(config.engine.model).is_dir():
-            raise ValueError(f"engine.model={config.engine.model!r} is not a model directory; pass "
-                             "rollout.init(model=DIR), or run `rollout demo` once to build the tiny default")
-        start_local_ray(config)
-        _owns_ray = True
-    try:
-        _service = launch(config)
-    except BaseException:
-        shutdown()
-        raise
+    with _lock:
+        if _service is not None:
+            raise RuntimeError("rollout is already initialised; call rollout.shutdown() first")
+        config = load_service_config(config, **overrides)
+        if not ray.is_initialized():
+            if not (Path(config.engine.model) / "config.json").is_file():
+                raise ValueError(f"engine.model={config.engine.model!r} is not a model directory (no config.json); "
+                                 "pass rollout.init(model=DIR), or run `rollout demo` once to build the tiny default")
+            start_local_ray(config)
+            _owns_ray = True
+        try:
+            _check_local_gpus(config)
+            _service = launch(config)
+        except BaseException:
+            shutdown()
+            raise
+
+
+def _check_local_gpus(config: ServiceConfig) -> None:
+    """An embedded Ray gets no more GPUs than this machine has: fail now rather than wait for placement."""
+    wanted = config.num_workers or 1
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if _owns_ray and config.engine.device.startswith("cuda") and have < wanted:
+        raise ValueError(f"engine.device={config.engine.device!r} with num_workers={config.num_workers} needs "
+                         f"{wanted} GPUs; this machine has {have}")
 
 
 def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool = False,
@@ -48,8 +61,9 @@ def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool =
     """Stream `n` samples of each prompt (token-id lists or strings) as record batches; the keywords are
     `SamplingParams` fields. The first call without `init` starts the service of configs/local.toml."""
     params = sampling_params(n, sampling)
-    if _service is None:
-        init()
+    with _lock:
+        if _service is None:
+            init()
     return open_stream(_service, prompts, params, progress)
 
 
@@ -80,10 +94,11 @@ def _running_service() -> ActorHandle:
 def shutdown() -> None:
     """Stop the service's actors, and the local Ray if `init` started it."""
     global _service, _owns_ray, _weight_sync
-    _weight_sync = None
-    if _service is not None:
-        stop(_service)
-        _service = None
-    if _owns_ray:
-        ray.shutdown()
-        _owns_ray = False
+    with _lock:
+        _weight_sync = None
+        if _service is not None:
+            stop(_service)
+            _service = None
+        if _owns_ray:
+            ray.shutdown()
+            _owns_ray = False

@@ -33,7 +33,7 @@ class WorkerPool:
         self.config = config
         self.prepare = prepare
         self.placement = _placement_group(config)
-        self.size = len(self.placement.bundle_specs) if self.placement else config.num_workers or 1
+        self.size = len(self.placement.bundle_specs)
         self.workers: dict[int, ActorHandle] = {i: self._spawn(i) for i in range(self.size)}
         self.load = dict.fromkeys(self.workers, 0)
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
@@ -42,11 +42,10 @@ class WorkerPool:
         self.closed = False
 
     def _spawn(self, worker_id: int) -> ActorHandle:
-        resources: dict = {"num_cpus": self.config.cpus_per_worker}
-        if self.placement:
+        resources: dict = {"num_cpus": self.config.cpus_per_worker, "scheduling_strategy":
+                           PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=worker_id)}
+        if "GPU" in self.placement.bundle_specs[0]:
             resources["num_gpus"] = 1
-            resources["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=worker_id)
         # No retries: Ray would re-run a streaming call and skip items by index, duplicating and losing
         # samples. A lost worker's samples are resent by the service instead.
         return _RemoteWorker.options(
@@ -55,14 +54,13 @@ class WorkerPool:
 
     async def ready(self) -> int:
         """Wait for the placement and for every engine to load; returns the number of workers."""
-        if self.placement:
-            try:
-                await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
-            except asyncio.TimeoutError:
-                raise RuntimeError(
-                    f"could not place {len(self.workers)} one-GPU workers within "
-                    f"{self.config.placement_timeout_s} s; the cluster has "
-                    f"{ray.cluster_resources().get('GPU', 0)} GPUs") from None
+        try:
+            await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
+        except asyncio.TimeoutError:
+            have = {k: ray.cluster_resources().get(k, 0) for k in self.placement.bundle_specs[0]}
+            raise RuntimeError(
+                f"could not place {self.size} workers of {self.placement.bundle_specs[0]} within "
+                f"{self.config.placement_timeout_s} s; the cluster has {have}") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():
             if worker not in self.watches:
@@ -192,16 +190,15 @@ class WorkerPool:
             for worker in list(workers):
                 ray.kill(workers.pop(worker), no_restart=True)
         self.load.clear()
-        if self.placement:
-            remove_placement_group(self.placement)
+        remove_placement_group(self.placement)
 
 
-def _placement_group(config: ServiceConfig) -> PlacementGroup | None:
-    """One bundle of one GPU per worker for CUDA engines (one per GPU of the cluster by default)."""
-    if not config.engine.device.startswith("cuda"):
-        return None
-    count = config.num_workers or int(ray.cluster_resources().get("GPU", 0))
+def _placement_group(config: ServiceConfig) -> PlacementGroup:
+    """One bundle per worker, reserved all at once: one GPU and `cpus_per_worker` CPUs for CUDA engines
+    (one worker per GPU of the cluster by default), `cpus_per_worker` CPUs for CPU engines (one worker)."""
+    cuda = config.engine.device.startswith("cuda")
+    count = config.num_workers or (int(ray.cluster_resources().get("GPU", 0)) if cuda else 1)
     if count < 1:
         raise ValueError("engine.device is 'cuda' but the Ray cluster has no GPUs")
-    bundles = [{"GPU": 1, "CPU": config.cpus_per_worker}] * count
-    return placement_group(bundles, strategy="PACK", name=f"{config.name}-workers")
+    bundle = {"GPU": 1, "CPU": config.cpus_per_worker} if cuda else {"CPU": config.cpus_per_worker}
+    return placement_group([bundle] * count, strategy="PACK", name=f"{config.name}-workers")

@@ -74,6 +74,9 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
         lifetime="detached" if detached else None).remote(config)
     try:
         ray.get(service.ready.remote())
+    except ray.exceptions.RayTaskError as err:  # raised in the service: its cause says what went wrong
+        stop(service)
+        raise (err.cause if isinstance(err.cause, Exception) else err) from None
     except BaseException:
         stop(service)
         raise

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
+import torch
 
 import rollout
 from rollout.config import LOCAL_CONFIG, EngineConfig, load_service_config
+from rollout.local_ray import start_local_ray
 
 
 @pytest.fixture
@@ -48,3 +52,23 @@ def test_shipped_configs_load(tmp_path):
     assert load_service_config(cluster, model="/m", num_workers=3).engine.model == "/m"
     engine = load_service_config(engine=EngineConfig(model="/e", num_blocks=7)).engine
     assert (engine.model, engine.num_blocks, engine.dtype) == ("/e", 7, "float32")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_cuda_workers_without_gpus_fail_at_once(model):
+    with pytest.raises(ValueError, match="needs 1 GPUs; this machine has 0"):
+        rollout.init(model=model, device="cuda", num_workers=1)
+    assert not ray.is_initialized()
+
+
+def test_workers_that_cannot_be_placed_fail_after_the_placement_timeout(model):
+    """Two workers of all this machine's CPUs each do not fit: init fails naming the resources,
+    instead of waiting for ever, and leaves the caller's Ray running."""
+    cpus = float(os.cpu_count())
+    start_local_ray(load_service_config(model=model, num_workers=1))
+    try:
+        with pytest.raises(RuntimeError, match=rf"could not place 2 workers of \{{'CPU': {cpus}\}} within 2.0 s"):
+            rollout.init(model=model, num_workers=2, cpus_per_worker=cpus, placement_timeout_s=2.0)
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
