@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, RuntimeError, TimeoutError) as err:
+    except Exception as err:
+        from ray.exceptions import RayError  # loaded already whenever Ray could have raised
+
+        if not isinstance(err, (ValueError, RuntimeError, TimeoutError, RayError)):
+            raise
         parser.exit(2, f"rollout {args.command}: error: {err}\n")
 
 
@@ -113,6 +117,7 @@ def _sample(args: argparse.Namespace) -> int:
     from rollout.stream import sampling_params
 
     prompts = read_prompts(args.prompts)
+    check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
     rollout.init(args.config, **_overrides(args))
     try:
@@ -130,6 +135,7 @@ def _demo(args: argparse.Namespace) -> int:
     import rollout
     from rollout.demo import DEMO_PROMPTS, demo_model
 
+    check_out(args.out)
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
     rollout.init(LOCAL_CONFIG, model=str(demo_model()), num_workers=2)
     try:
@@ -223,7 +229,17 @@ def read_prompts(path: Path) -> list[str | list[int]]:
         if not isinstance(prompt, (str, list)):
             raise ValueError(f"{path}:{number}: expected a string, a token-id list or {{\"prompt\": ...}}")
         prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"prompt file {str(path)!r} holds no prompts")
     return prompts
+
+
+def check_out(path: Path) -> None:
+    """Refuse an output path that could not be written, before any sampling."""
+    if path.is_dir():
+        raise ValueError(f"--out {str(path)!r} is a directory")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {str(path)!r}: directory {str(path.parent)!r} does not exist")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -60,11 +60,16 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows"], "FIELD=VALUE"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows=0"], "flush_rows=0"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--top-p", "2"], "top_p=2.0"),
+    (["sample", "--prompts", "{empty}", "--out", "x.parquet"], "holds no prompts"),
+    (["sample", "--prompts", "{good}", "--out", "{missing}/x.parquet"], "none.jsonl' does not exist"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--model", "{good}/.."], "no config.json"),
 ])
 def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
     (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
     (tmp_path / "good.jsonl").write_text('"ok"\n')
-    files = {"missing": tmp_path / "none.jsonl", "bad": tmp_path / "bad.jsonl", "good": tmp_path / "good.jsonl"}
+    (tmp_path / "empty.jsonl").write_text("\n")
+    files = {name: tmp_path / f"{'none' if name == 'missing' else name}.jsonl"
+             for name in ("missing", "bad", "good", "empty")}
     with pytest.raises(SystemExit) as exit_info:
         main([arg.format(**files) for arg in argv])
     assert exit_info.value.code == 2
