@@ -36,7 +36,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         check_types(self)
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(1e-30 <= self.top_p <= 1, "top_p", self.top_p, "must be in [1e-30, 1]")
         _check(0 <= self.top_k < 2**63, "top_k", self.top_k, "must be in [0, 2**63) (0 disables it)")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
@@ -53,8 +53,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SamplingParams":
-        """Build from keyword arguments, turning unknown or ill-typed ones into a ValueError."""
-        return msgspec.convert(kwargs, cls, strict=False)
+        """Build from keyword arguments, turning unknown or ill-typed ones (numeric strings too) into a
+        ValueError; numpy and torch scalars count as the Python numbers they hold."""
+        plain = {k: v.item() if getattr(v, "ndim", None) == 0 else v for k, v in kwargs.items()}
+        return msgspec.convert(plain, cls, strict=True)
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:

@@ -148,11 +148,17 @@ def test_prompts_as_arrays_and_all_checked_before_any_is_queued(qwen3):
     (dict(n=0), "n=0"), (dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),
     (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2"), (dict(min_p=2.0), "min_p=2.0"),
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(logprobs_mode="x"), "logprobs_mode='x'"),
-    (dict(bogus=1), "bogus"),
+    (dict(bogus=1), "bogus"), (dict(n="8"), r"Expected `int`, got `str` - at `\$.n`"),
+    (dict(top_p=1e-300), "top_p=1e-300"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams.from_kwargs(**kwargs)
+
+
+def test_numpy_and_torch_scalars_are_numbers():
+    params = SamplingParams.from_kwargs(n=np.int64(4), temperature=torch.tensor(0.5), seed=np.uint64(7))
+    assert (params.n, params.temperature, params.seed) == (4, 0.5, 7)
 
 
 @pytest.mark.parametrize("kwargs, match", [
