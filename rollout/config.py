@@ -78,6 +78,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _bound(self, ">=", 0, "flush_delay_s")
         if not self.name or not self.namespace:
             raise ValueError("ServiceConfig.name and ServiceConfig.namespace must not be empty")
+        if self.engine.device not in DEVICES:
+            raise ValueError(f"engine.device={self.engine.device!r} must be one of {DEVICES}: "
+                             "Ray gives each worker its own GPU")
 
 
 def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> ServiceConfig:

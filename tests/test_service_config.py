@@ -25,6 +25,7 @@ def model(model_dir):
     (dict(dtype="int4"), r"EngineConfig.dtype='int4' must be one of .* - at `\$.engine`"),
     (dict(engine={"block_size": "big"}), r"Expected `int`, got `str` - at `\$.engine.block_size`"),
     (dict(flush_delay_s=-1.0), r"ServiceConfig.flush_delay_s=-1.0 must be >= 0"),
+    (dict(device="cuda:1"), r"engine.device='cuda:1' must be one of \('cpu', 'cuda'\)"),
 ])
 def test_bad_overrides(model, overrides, message):
     with pytest.raises(ValueError, match=message):
