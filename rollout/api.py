@@ -49,9 +49,11 @@ def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) ->
 
 def _check_local_gpus(config: ServiceConfig) -> None:
     """An embedded Ray gets no more GPUs than this machine has: fail now rather than wait for placement."""
+    if not (_owns_ray and config.engine.device.startswith("cuda")):
+        return
     wanted = config.num_workers or 1
     have = int(ray.cluster_resources().get("GPU", 0))
-    if _owns_ray and config.engine.device.startswith("cuda") and have < wanted:
+    if have < wanted:
         raise ValueError(f"engine.device={config.engine.device!r} with num_workers={config.num_workers} needs "
                          f"{wanted} GPUs; this machine has {have}")
 

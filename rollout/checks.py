@@ -9,6 +9,10 @@ from functools import cache
 import msgspec
 from msgspec import inspect as mi
 
+_PYTHON_TYPES = {mi.NoneType: type(None), mi.BoolType: bool, mi.StrType: str, mi.IntType: int}
+_NAMES = {mi.NoneType: "None", mi.BoolType: "bool", mi.StrType: "str", mi.IntType: "int",
+          mi.FloatType: "float (finite)"}
+
 
 def check_types(struct: msgspec.Struct) -> None:
     """ValueError naming the first field whose value is not of its declared type (a bool is not an
@@ -34,8 +38,7 @@ def _matches(value: object, kind: mi.Type) -> bool:
         return isinstance(value, kind.cls)
     if isinstance(kind, mi.FloatType):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    simple = {mi.NoneType: type(None), mi.BoolType: bool, mi.StrType: str, mi.IntType: int}
-    expected = simple.get(type(kind))
+    expected = _PYTHON_TYPES.get(type(kind))
     if expected is int and isinstance(value, bool):
         return False
     return expected is None or isinstance(value, expected)
@@ -48,6 +51,4 @@ def _describe(kind: mi.Type) -> str:
         return f"list[{_describe(kind.item_type)}]"
     if isinstance(kind, mi.StructType):
         return kind.cls.__name__
-    names = {mi.NoneType: "None", mi.BoolType: "bool", mi.StrType: "str", mi.IntType: "int",
-             mi.FloatType: "float (finite)"}
-    return names.get(type(kind), type(kind).__name__)
+    return _NAMES.get(type(kind), type(kind).__name__)

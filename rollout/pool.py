@@ -57,9 +57,10 @@ class WorkerPool:
         try:
             await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
         except asyncio.TimeoutError:
-            have = {k: ray.cluster_resources().get(k, 0) for k in self.placement.bundle_specs[0]}
+            bundle, cluster = self.placement.bundle_specs[0], ray.cluster_resources()
+            have = {k: cluster.get(k, 0) for k in bundle}
             raise RuntimeError(
-                f"could not place {self.size} workers of {self.placement.bundle_specs[0]} within "
+                f"could not place {self.size} workers of {bundle} within "
                 f"{self.config.placement_timeout_s} s; the cluster has {have}") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():

@@ -74,11 +74,10 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
         lifetime="detached" if detached else None).remote(config)
     try:
         ray.get(service.ready.remote())
-    except ray.exceptions.RayTaskError as err:  # raised in the service: its cause says what went wrong
+    except BaseException as err:
         stop(service)
-        raise (err.cause if isinstance(err.cause, Exception) else err) from None
-    except BaseException:
-        stop(service)
+        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, Exception):
+            raise err.cause from None  # raised in the service: its cause says what went wrong
         raise
     return service
 
