@@ -65,6 +65,18 @@ def start_long_sample(client: RolloutClient, new: int) -> rollout.RolloutStream:
     return stream
 
 
+def update_during_long_sample(client: RolloutClient, policies: tuple[str, str], states: dict, mode: str,
+                              new_tokens: int) -> tuple[int, int, rollout.RolloutStream]:
+    """Make the first policy current, start a greedy sample of `new_tokens`, then update to the second
+    policy in `mode` while it runs; returns the old and new versions and the sample's stream."""
+    old, new = policies
+    v_old = set_weights(old)
+    stream = start_long_sample(client, new_tokens)
+    v_new = next(_versions)
+    rollout.update_weights(states[new], v_new, mode=mode)
+    return v_old, v_new, stream
+
+
 @pytest.fixture(scope="module")
 def sync(client):
     return rollout.init_weight_sync()
@@ -91,11 +103,8 @@ def test_update_gives_the_new_model_and_recomputes_cached_prompts(client, polici
 
 
 def test_continue_mode_sample_spans_the_update(client, policies, states):
-    old, new = policies
-    v_old = set_weights(old)
-    stream = start_long_sample(client, 400)
-    v_new = next(_versions)
-    rollout.update_weights(states[new], v_new, mode="continue")
+    old = policies[0]
+    v_old, v_new, stream = update_during_long_sample(client, policies, states, "continue", 400)
     [row] = stream.to_table().to_pylist()
     switch = row["token_policy_versions"].index(v_new)
     assert 0 < switch < 400 and row["token_policy_versions"] == [v_old] * switch + [v_new] * (400 - switch)
@@ -105,11 +114,8 @@ def test_continue_mode_sample_spans_the_update(client, policies, states):
 
 
 def test_abort_mode_ends_started_samples(client, policies, states):
-    old, new = policies
-    v_old = set_weights(old)
-    stream = start_long_sample(client, 400)
-    v_new = next(_versions)
-    rollout.update_weights(states[new], v_new, mode="abort")
+    old = policies[0]
+    v_old, v_new, stream = update_during_long_sample(client, policies, states, "abort", 400)
     [row] = stream.to_table().to_pylist()
     assert (row["finish_reason"], row["policy_version"], row["first_policy_version"]) == ("abort", v_old, v_old)
     assert 0 < len(row["token_ids"]) < 400
@@ -120,10 +126,7 @@ def test_abort_mode_ends_started_samples(client, policies, states):
 
 def test_finish_mode_drains_on_the_old_weights(client, policies, states):
     old, new = policies
-    v_old = set_weights(old)
-    stream = start_long_sample(client, 120)
-    v_new = next(_versions)
-    rollout.update_weights(states[new], v_new, mode="finish")
+    v_old, v_new, stream = update_during_long_sample(client, policies, states, "finish", 120)
     assert versions(client) == {v_new}
     [row] = stream.to_table().to_pylist()
     assert (row["finish_reason"], row["policy_version"], row["token_policy_versions"]) == (
