@@ -11,7 +11,7 @@ import tomllib
 
 from rollout.checks import check_types
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
@@ -21,17 +21,22 @@ T = TypeVar("T")
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One engine: the model directory, where it runs, and the sizes of its KV cache and batches.
 
-    `num_blocks` blocks of `block_size` tokens each hold the KV of every layer. A step computes at
-    most `max_batch_tokens` tokens for at most `max_num_seqs` sequences. `cpu_offload_gib` sizes the
-    CPU pool preempted requests are offloaded to (0 = recompute instead). `max_model_len` defaults
-    to the model's `max_position_embeddings`.
+    `dtype="auto"` is the checkpoint's 16-bit dtype (or bfloat16) on CUDA and float32 on the CPU.
+    The KV cache has `num_blocks` blocks of `block_size` tokens (every layer); None sizes it: on CUDA
+    to `gpu_memory_utilization` of the card minus the profiled peak of a forward and a sampler pass,
+    on the CPU to `kv_cache_memory_gib` (None: a capped share of free memory), which also overrides
+    the CUDA rule when set. A step computes at most `max_batch_tokens` tokens for at most
+    `max_num_seqs` sequences. `cpu_offload_gib` sizes the CPU pool preempted requests are offloaded to
+    (0 = recompute instead). `max_model_len` defaults to the model's `max_position_embeddings`.
     """
 
     model: str
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     block_size: int = 16
-    num_blocks: int = 512
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gib: float | None = None
     max_batch_tokens: int = 1024
     max_num_seqs: int = 256
     cpu_offload_gib: float = 0.0
@@ -46,6 +51,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len")
         _bound(self, ">=", 0, "cpu_offload_gib")
+        _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")
+        if self.gpu_memory_utilization > 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r} must be <= 1")
 
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"

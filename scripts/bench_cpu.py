@@ -15,6 +15,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -25,7 +26,8 @@ from workers.engine import Engine, EngineConfig
 from workers.engine.tiny_models import build_tiny_model
 
 GENERATE = "transformers generate (static batches of 4 prompts)"
-MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, initializer_range=0.02)
+MODEL = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, initializer_range=0.02,
+             max_position_embeddings=32768)
 
 
 def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -112,17 +114,25 @@ def bench_pressure(path: str, new: int = 512) -> list[tuple[str, float, dict]]:
     return out
 
 
-def bench_step_overhead(path: str, seqs: int = 256, blocks: int = 5, steps: int = 20) -> float:
-    """Milliseconds per decode step spent outside the model, with `seqs` sequences decoding: the
-    median over `blocks` blocks of `steps` steps."""
-    engine = Engine(engine_config(path))
-    logits = torch.randn(seqs, engine.vocab_size)
-    engine.runner.forward = lambda ids, pos, meta, keep: logits[: len(keep)]
-    engine.add_request(list(range(2, 66)), SamplingParams(n=seqs, max_new_tokens=blocks * steps + 20,
-                                                          ignore_eos=True))
-    for _ in range(5):
+OVERHEAD_CASES = {"a: 256 x 128": [(128, 256)], "b: 255 x 1k + 1 x 16k": [(1024, 255), (16384, 1)],
+                  "c: 256 x 4k": [(4096, 256)]}
+
+
+def bench_step_overhead(path: str, groups: list[tuple[int, int]], blocks: int = 5, steps: int = 20) -> float:
+    """Milliseconds per decode step spent outside the model: the model's forward is a stub returning
+    fixed logits; `groups` are (prompt length, samples) decoding together. Median over `blocks` blocks
+    of `steps` steps."""
+    seqs = sum(n for _, n in groups)
+    longest = max(length for length, _ in groups) + blocks * steps + 40
+    engine = Engine(engine_config(path, max_model_len=longest, max_num_seqs=seqs))
+    logits = torch.randn(1, seqs, engine.vocab_size)
+    engine.runner.model.forward = lambda *args, logits_to_keep, **kw: SimpleNamespace(
+        logits=logits[:, : len(logits_to_keep)])
+    for length, n in groups:
+        engine.add_request([2 + i % 4000 for i in range(length)],
+                           SamplingParams(n=n, max_new_tokens=blocks * steps + 20, ignore_eos=True))
+    while len(engine.scheduler.running) < seqs or any(s.num_generated < 2 for s in engine.scheduler.running):
         engine.step()
-    assert len(engine.scheduler.running) == seqs
     times = []
     for _ in range(blocks):
         start = time.perf_counter()
@@ -184,10 +194,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "qwen3", **MODEL))
         results = rollout_rounds(path, make_prompts(args.prompts), args)
-        overhead = bench_step_overhead(path)
+        overhead = {name: bench_step_overhead(path, groups) for name, groups in OVERHEAD_CASES.items()}
         pressure = [] if args.skip_pressure else bench_pressure(path)
     print_rollout(results, args)
-    print(f"engine overhead per decode step, 256 sequences, stub model (median of 5 x 20 steps): {overhead:.2f} ms")
+    print("\nengine host time per decode step, 256 sequences, stub model (median of 5 x 20 steps)")
+    for name, ms in overhead.items():
+        print(f"  {name:<24}{ms:>8.2f} ms")
     if pressure:
         print_pressure(pressure)
 

@@ -12,7 +12,8 @@ from tests.conftest import DEVICES, make_engine, random_prompts, run
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.offload import CpuPool
-from workers.engine.preemption import Swapper
+from workers.engine.block_table import BlockTables
+from workers.engine.preemption import Offloader
 from workers.engine.sequence import Group, Sequence, Status
 
 BLOCK = 8
@@ -88,10 +89,10 @@ def test_abort_of_offloaded_request_frees_cpu_blocks(workload):
     engine = make_engine(path, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
                          max_batch_tokens=64, cpu_offload_gib=4096 * GIB_PER_BLOCK)
     ids = [engine.add_request(p, q, prompt_index=i) for i, (p, q) in enumerate(zip(prompts, params))]
-    while not engine.scheduler.swapper.swapped:
+    while not engine.scheduler.offloader.offloaded:
         engine.step()
         engine.check_integrity()
-    victim = engine.scheduler.swapper.swapped[0].group.request_id
+    victim = engine.scheduler.offloader.offloaded[0].group.request_id
     engine.abort(victim)
     engine.check_integrity()
     while engine.has_unfinished():
@@ -104,7 +105,7 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
     """Restoring with an empty free list: the block copied back in may evict only cached blocks the
     sequence does not reuse (here its own blocks 1 and 2 are the oldest cached)."""
     pool = BlockPool(7, 2)
-    swapper = Swapper(pool, CpuPool(torch.zeros(1, 2, 7, 2, 1, 1), gib=1e-6))
+    offloader = Offloader(pool, BlockTables(4, 4, 2, pin=False), CpuPool(torch.zeros(1, 2, 7, 2, 1, 1), gib=1e-6))
     tokens = [11, 12, 13, 14, 15, 16, 17]
     group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 1)
     seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)
@@ -113,14 +114,14 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
         seq.block_hashes.append(hash_block(seq.block_hashes[-1] if i else 0, tokens[2 * i:2 * i + 2]))
     for i in (1, 2):  # block 0 stays unregistered (another block held its hash when it completed)
         pool.register(seq.block_table[i], seq.block_hashes[i], tokens[2 * i:2 * i + 2])
-    assert swapper.offload(seq, Batch())
+    assert offloader.offload(seq, Batch())
     others = pool.allocate(5)
     for i, block in enumerate(others[:2]):
         pool.register(block, 1000 + i, [i, i])
     pool.release(others[:2])  # cached after blocks 2 and 1: evicted later
-    plan, _ = swapper.plan_restore(seq)
+    plan, _ = offloader.plan_restore(seq)
     assert plan == [None, 1, 2] and not pool.free
     batch = Batch()
-    swapper.restore(seq, plan, batch)
-    assert seq.block_table == [others[0], 1, 2] and batch.swap_in == [(0, others[0])]
+    offloader.restore(seq, plan, batch)
+    assert seq.block_table == [others[0], 1, 2] and batch.restore_copies == [(0, others[0])]
     pool.check_integrity([seq.block_table, others[2:]])

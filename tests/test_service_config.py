@@ -52,7 +52,7 @@ def test_shipped_configs_load(tmp_path):
     assert cluster.num_workers is None and cluster.engine.device == "cuda"
     assert load_service_config(cluster, model="/m", num_workers=3).engine.model == "/m"
     engine = load_service_config(engine=EngineConfig(model="/e", num_blocks=7)).engine
-    assert (engine.model, engine.num_blocks, engine.dtype) == ("/e", 7, "float32")
+    assert (engine.model, engine.num_blocks, engine.dtype) == ("/e", 7, "auto")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")

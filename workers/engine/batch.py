@@ -9,13 +9,13 @@ from workers.engine.sequence import Sequence
 
 @dataclass
 class Batch:
-    """`num_tokens[i]` new tokens of `seqs[i]`, after copying device blocks out to the CPU pool
-    (`swap_out`: (device, cpu) pairs) and then back in (`swap_in`: (cpu, device) pairs)."""
+    """`num_tokens[i]` new tokens of `seqs[i]`, after copying device blocks to the CPU pool
+    (`offload_copies`: (device, cpu) pairs) and then back (`restore_copies`: (cpu, device) pairs)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    offload_copies: list[tuple[int, int]] = field(default_factory=list)
+    restore_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         """Compute `n` more tokens of `seq` in this step."""

@@ -8,6 +8,8 @@ from typing import Iterable
 import numpy as np
 import xxhash
 
+from workers.engine.sequence import Sequence
+
 
 def hash_block(parent: int, token_ids: list[int]) -> int:
     """Chained hash of one complete block: its tokens and the hash of the block before it."""
@@ -86,6 +88,38 @@ class BlockPool:
         self.hashes[block] = block_hash
         self.block_tokens[block] = tuple(token_ids)
         self.hash_to_block[block_hash] = block
+
+    def match_prefix(self, seq: Sequence, root: int) -> int:
+        """Share the cached complete blocks that start `seq` (its chain rooted in `root`, the weights
+        version); at least one token stays to compute. Returns the number of tokens served."""
+        parent, bs = root, self.block_size
+        for i in range((len(seq.token_ids) - 1) // bs):
+            tokens = seq.block_tokens(i, bs)
+            parent = hash_block(parent, tokens)
+            block = self.lookup(parent, tokens)
+            if block is None:
+                break
+            self.share(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(parent)
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks `seq` has completed since the last call so later prompts can reuse them."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
+            i = len(seq.block_hashes)
+            tokens = seq.block_tokens(i, bs)
+            block_hash = hash_block(seq.block_hashes[-1] if i else seq.hash_root, tokens)
+            self.register(seq.block_table[i], block_hash, tokens)
+            seq.block_hashes.append(block_hash)
+
+    def find(self, seq: Sequence, i: int) -> int | None:
+        """The cached block holding block `i` of `seq` (by its recorded hash), if any."""
+        if i >= len(seq.block_hashes):
+            return None
+        return self.lookup(seq.block_hashes[i], seq.block_tokens(i, self.block_size))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash: cached blocks become free, used blocks are never matched again."""

@@ -18,7 +18,6 @@ from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.request_checks import check_fits, check_prompt
-from workers.engine.sampler import build_sampling_batch, sample, sampling_rows
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
 from workers.engine.weights import WeightSource, check_weights, copy_weights, load_source
@@ -33,19 +32,16 @@ class Engine:
         self.config = config
         self.worker_id = worker_id
         self.runner = ModelRunner(config)
-        hf = self.runner.model.config
-        self.vocab_size = hf.vocab_size
-        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings,
-                                 hf.max_position_embeddings)
+        self.vocab_size = self.runner.model.config.vocab_size
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = _load_tokenizer(config.model)
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
-        self.scheduler = Scheduler(config, self.pool, self.cpu_pool)
+        self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool)
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
-        self.counters = dict.fromkeys(
-            ("steps", "prefill_tokens", "decode_tokens", "recomputed_tokens", "forks"), 0)
+        self.counters = dict.fromkeys(("steps", "forks"), 0)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -69,7 +65,7 @@ class Engine:
         indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
         if not indices or not all(0 <= i < params.n for i in indices):
             raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({params.n})")
-        check_fits(self.config, self.max_model_len, len(ids), params, len(indices))
+        check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in flight")
@@ -114,17 +110,14 @@ class Engine:
             self._drain(emit)
         copy_weights(pairs)
         self.policy_version = version
-        self.scheduler.hash_root = hash_block(0, [version])
+        self.scheduler.set_weights_version(version)
         return rows
 
     def _drain(self, emit: Rows) -> None:
         """Step until every started sample has finished, admitting nothing new; each step's rows go to `emit`."""
-        self.scheduler.admit_new = False
-        try:
+        with self.scheduler.started_only():
             while any(s.started for s in self.scheduler.sequences()):
                 emit(self.step())
-        finally:
-            self.scheduler.admit_new = True
 
     def validate_weights(self, source: WeightSource) -> None:
         """Raise the ValueError `update_weights` would (names, shapes, dtypes); copies nothing. Tensors on
@@ -148,29 +141,17 @@ class Engine:
                 raise RuntimeError("no request can be scheduled: the KV cache is too small for any of them")
             return []
         if self.cpu_pool:
-            self.cpu_pool.copy_out(batch.swap_out)
-            self.cpu_pool.copy_in(batch.swap_in)
-        logits = self.runner.run(batch.seqs, batch.num_tokens)
+            self.cpu_pool.copy_to_cpu(batch.offload_copies)
+            self.cpu_pool.copy_to_device(batch.restore_copies)
+        tokens, logprobs = self.runner.run(batch.seqs, batch.num_tokens)
         self.counters["steps"] += 1
-        finishing = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.counters[_token_kind(seq)] += n
-            seq.num_computed_tokens += n
-            self.scheduler.register_blocks(seq)
-            if seq.num_uncomputed == 0:
-                finishing.append(seq)
-        return self._append_samples(finishing, logits)
+        seqs = self._fork(self.scheduler.update(batch))
+        return self._append_samples(seqs, tokens, logprobs)
 
-    def _append_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> list[dict]:
-        """Sample a token for each row (a fork gives one row per child), then check stops."""
-        rows = sampling_rows(seqs)
-        if not rows:
-            return []
-        if len(rows) > len(seqs):
-            logits = logits[[r.logits_row for r in rows]]
-        tokens, logprobs = sample(logits, build_sampling_batch(rows, logits.device))
+    def _append_samples(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[dict]:
+        """Append each sampled token to its sequence (one per sampling row, forks split), check stops."""
         finished = []
-        for seq, token, logprob in zip(self._fork(seqs), tokens.tolist(), logprobs.tolist()):
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self.policy_version)
@@ -226,7 +207,7 @@ class Engine:
         """Every sample of every prompt, rows ordered by prompt then sample."""
         token_lists = self.tokenize(prompts)
         for ids in token_lists:
-            check_fits(self.config, self.max_model_len, len(ids), params, params.n)  # all, then queue
+            check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, params.n)
         for i, ids in enumerate(token_lists):
             self.add_request(ids, params, prompt_index=i)
         rows = []
@@ -238,30 +219,21 @@ class Engine:
         return sort_samples(pa.Table.from_batches([samples_to_batch(rows)]))
 
     def stats(self) -> dict[str, int]:
-        """Counters since start, the weights version, and the block pool's current state."""
-        sched, swapper, cpu = self.scheduler, self.scheduler.swapper, self.cpu_pool
-        return {**self.counters, "policy_version": self.policy_version,
-                "cached_prefix_tokens": sched.cached_prefix_tokens,
-                "offloads": swapper.offloads, "restores": swapper.restores, "recomputes": sched.recomputes,
+        """Counters since start, the weights version, and the block pools' current state."""
+        cpu = self.cpu_pool
+        return {**self.counters, **self.scheduler.stats(), "policy_version": self.policy_version,
                 "blocks_total": self.pool.num_blocks, "blocks_free": len(self.pool.free),
                 "blocks_cached": len(self.pool.cached), "cpu_blocks_total": cpu.num_blocks if cpu else 0,
-                "cpu_blocks_used": cpu.num_used if cpu else 0, "running": len(sched.running),
-                "waiting": len(sched.waiting), "swapped": len(swapper.swapped)}
+                "cpu_blocks_used": cpu.num_used if cpu else 0}
 
     def check_integrity(self) -> None:
-        """Assert that block accounting balances (tests call this after every step)."""
+        """Assert that block accounting balances and the block tables are exact (tests call this
+        after every step)."""
         self.scheduler.check_integrity()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; KV already computed is never matched again."""
         self.pool.reset_prefix_cache()
-
-
-def _token_kind(seq: Sequence) -> str:
-    """Which counter a computed token goes to: prompt prefill, decode, or recompute after preemption."""
-    if seq.num_uncomputed == 1 and seq.num_generated > 0:
-        return "decode_tokens"
-    return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"
 
 
 def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:

@@ -1,104 +1,165 @@
-"""Loads a Hugging Face causal LM, owns its paged KV cache, and runs one packed forward per step."""
+"""Loads a Hugging Face causal LM onto its device, sizes and owns its paged KV cache, and runs one
+packed forward and one sampling pass per step."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
 from rollout.config import EngineConfig
+from workers.engine import memory
 from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
-from workers.engine.sequence import Sequence
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from workers.engine.block_table import BlockTables
+from workers.engine.sampler import SampleRow, SamplingBatch, sample, sampling_batch
+from workers.engine.sequence import Sequence, cdiv
+from workers.engine.staging import Staging
+from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
 
 
 def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
-    """The model of `config.model` on its device, in eval mode, attention routed to the paged cache."""
+    """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
+    to the paged cache."""
     path = Path(config.model)
     if not (path / "config.json").is_file():
         raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
     try:
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+        on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[config.dtype], attn_implementation=ATTN_IMPLEMENTATION)
+            path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
+            **on_cuda)
     except (OSError, KeyError) as err:
         raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
-    return model.to(config.device).eval()
+    return model.eval()
+
+
+@dataclass
+class StepInputs:
+    """A step's device inputs, and the sampling rows (one per sample of each sequence that samples)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    keep: torch.Tensor
+    rows: list[SampleRow]
+    sampling: SamplingBatch
+    logits_rows: torch.Tensor | None  # which kept row each sampling row reads, when forks repeat rows
 
 
 class ModelRunner:
-    """Packs the tokens of a step into one sequence, runs the model, returns last-position logits."""
+    """Packs the tokens of a step into one sequence, runs the model, samples the kept rows."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.model = load_model(config)
         hf = self.model.config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.kv_cache = torch.zeros(hf.num_hidden_layers, 2, config.num_blocks, config.block_size,
-                                    hf.num_key_value_heads, head_dim, dtype=DTYPES[config.dtype],
-                                    device=self.device)
-        self.backend = create_backend(config.attention_backend, self.kv_cache)
+        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.block_size = config.block_size
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.block_shape = (hf.num_hidden_layers, 2, config.block_size, hf.num_key_value_heads, head_dim)
+        self.staging = Staging(self.device)
+        self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
+                                  config.block_size, pin=self.device.type == "cuda")
+        self.device_tables = (self.tables.host if self.device.type == "cpu"
+                              else torch.zeros_like(self.tables.host, device=self.device))
+        self.num_blocks = self._size_cache()
+        self.kv_cache = self._new_cache(self.num_blocks)
+        self.backend = create_backend(config.attention_backend, self.kv_cache)
         self._warmup()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block across every layer."""
+        return int(np.prod(self.block_shape)) * self.model.dtype.itemsize
+
+    def _new_cache(self, num_blocks: int) -> torch.Tensor:
+        shape = (*self.block_shape[:2], num_blocks, *self.block_shape[2:])
+        return torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+
+    def _size_cache(self) -> int:
+        """`num_blocks` as configured, or as many as the memory budget holds (logged once)."""
+        sized = self.config.num_blocks is None
+        num_blocks = self.config.num_blocks
+        if sized:
+            budget = memory.kv_budget_bytes(self.config, self._profile_peak)
+            num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
+        memory.log_cache(num_blocks, self.block_size, self.bytes_per_block, sized)
+        return num_blocks
+
+    def _profile_peak(self) -> int:
+        """Peak CUDA bytes of the model's largest step (a forward of `max_batch_tokens` tokens and
+        a sampler pass over `max_num_seqs` rows), a throwaway cache of that step's blocks excluded."""
+        num_tokens = min(self.config.max_batch_tokens, self.max_model_len - 1)
+        cache = self._new_cache(cdiv(num_tokens, self.block_size) + 1)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.backend = create_backend(self.config.attention_backend, cache)
+        inputs = self._send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size))
+        self.sample(self.forward(inputs), inputs)
+        peak = torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
+        del cache, self.backend
+        torch.cuda.empty_cache()
+        return peak
 
     def _warmup(self) -> None:
         """One token through every layer, so a model our attention can't serve fails at load."""
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device),
-            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=self.device),
-            block_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            max_seqlen_q=1, max_seqlen_k=1)
-        ids = torch.zeros(1, dtype=torch.long, device=self.device)
         try:
-            self.forward(ids, ids, meta, ids)
+            self.forward(self._send(profile_plan(1, 1, self.block_size)))
         except NotImplementedError as err:
             raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
 
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
-        """input_ids, positions, metadata and the packed rows whose logits are needed."""
-        input_ids, positions, seq_lens, keep, cu = [], [], [], [], [0]
-        for seq, n in zip(seqs, num_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            seq_lens.append(start + n)
-            cu.append(cu[-1] + n)
-            if start + n == len(seq.token_ids):
-                keep.append(cu[-1] - 1)
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-        dev = self.device
-        block_table = torch.tensor(tables, dtype=torch.int32, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        counts = torch.tensor(num_tokens, device=dev)
-        owner = torch.repeat_interleave(torch.arange(len(seqs), device=dev), counts)
-        slots = block_table[owner, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        meta = AttentionMetadata(slots, torch.tensor(cu, dtype=torch.int32, device=dev),
-                                 torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_table,
-                                 max(num_tokens), max(seq_lens))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, pos, meta, torch.tensor(keep, dtype=torch.long, device=dev)
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
+        """The step's inputs on the device, sent in one copy; block-table rows synced first."""
+        return self._send(plan_step(seqs, num_tokens, self.tables))
+
+    def _send(self, plan: StepPlan) -> StepInputs:
+        t = self.staging.send(plan.arrays)
+        if self.device.type == "cuda" and plan.arrays["table_cells"].size:
+            self.device_tables.view(-1)[t["table_cells"]] = t["table_values"]
+        tables = self.device_tables if plan.tables is None else plan.tables.to(self.device)
+        block_table = tables[:, :plan.width].index_select(0, t["rows"])
+        meta = AttentionMetadata(t["slots"], t["cu_seqlens_q"], t["seq_lens"], block_table,
+                                 plan.max_seqlen_q, plan.max_seqlen_k)
+        logits_rows = t["logits_rows"] if plan.expand else None
+        return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.rows,
+                          sampling_batch(t, plan.flags), logits_rows)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                keep: torch.Tensor) -> torch.Tensor:
-        """Logits `[len(keep), vocab]` of the packed rows `keep`."""
-        self.backend.prepare_metadata(meta)
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[len(keep), vocab]` of the packed rows `keep`; the backend serves this forward only."""
+        self.backend.prepare_metadata(inputs.meta)
         set_backend(self.backend)
-        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
+        try:
+            out = self.model(input_ids=inputs.ids[None], position_ids=inputs.positions[None], use_cache=False,
+                             logits_to_keep=inputs.keep)
+        finally:
+            set_backend(None)
         return out.logits[0]
 
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
-        """Compute `num_tokens[i]` new tokens of each sequence; logits for those that reach their end."""
-        return self.forward(*self.prepare(seqs, num_tokens))
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[list[int], list[float]]:
+        """Each sampling row's token and logprob, brought to the host in one copy."""
+        if inputs.logits_rows is not None:
+            logits = logits.index_select(0, inputs.logits_rows)
+        tokens, logprobs = sample(logits, inputs.sampling)
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+        return [int(t) for t in host[0].tolist()], host[1].tolist()
+
+    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[float]]:
+        """Compute `num_tokens[i]` new tokens of each sequence; a token and its logprob for each
+        sampling row (every wanted sample of each sequence that reaches its end)."""
+        inputs = self.prepare(seqs, num_tokens)
+        logits = self.forward(inputs)
+        return self.sample(logits, inputs) if inputs.rows else ([], [])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer, in one indexed copy."""
         if pairs:
-            src = torch.tensor([s for s, _ in pairs], device=self.device)
-            dst = torch.tensor([d for _, d in pairs], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            t = self.staging.send({"src": np.array([s for s, _ in pairs], np.int64),
+                                   "dst": np.array([d for _, d in pairs], np.int64)})
+            self.kv_cache.index_copy_(2, t["dst"], self.kv_cache.index_select(2, t["src"]))

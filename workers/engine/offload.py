@@ -1,42 +1,67 @@
-"""The CPU swap pool: KV blocks of preempted requests wait here until they are restored."""
+"""The CPU pool: KV blocks of offloaded sequences wait here until they are restored.
+
+On CUDA the pool is page-locked to its exact size and every copy runs on one copy stream, ordered
+with the compute stream by waits on both sides: a device block freed by an offload is written again
+only by compute work queued after its copy, and copies that touch one CPU slot run in queue order on
+the copy stream, so a slot is never refilled before the copy that reads it. The host never touches
+the pool's memory. On the CPU the same calls run synchronously.
+"""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import warnings
 from collections import deque
+from typing import Iterator
 
+import numpy as np
 import torch
+
+from workers.engine.memory import available_ram_bytes, pinned_empty
+from workers.engine.staging import Staging
 
 SAFE_RAM_FRACTION = 0.5
 
 
-def available_ram_bytes() -> int:
-    """Physical memory not in use right now (Linux and macOS)."""
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def cpu_pool_blocks(gib: float, bytes_per_block: int) -> int:
-    """How many blocks `gib` GiB holds, capped at a safe fraction of free RAM (with a warning)."""
+    """How many blocks `gib` GiB holds, capped at a safe fraction of free RAM (with a warning); the
+    pool takes exactly that many blocks' bytes."""
     want = int(gib * 2**30)
     cap = int(available_ram_bytes() * SAFE_RAM_FRACTION)
     if want > cap:
         warnings.warn(f"cpu_offload_gib={gib} exceeds {SAFE_RAM_FRACTION:.0%} of free RAM; "
-                      f"the CPU swap pool is capped at {cap / 2**30:.2f} GiB", stacklevel=3)
+                      f"the CPU pool is capped at {cap / 2**30:.2f} GiB", stacklevel=3)
         want = cap
     return want // bytes_per_block
 
 
+def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(first pair index, first slot, length) of each run of consecutive CPU slots."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield start, slots[start], i - start
+            start = i
+
+
 class CpuPool:
-    """Blocks shaped like the device cache's, allocated once (pinned when the cache is on CUDA)."""
+    """`[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: each CPU block is contiguous, so
+    runs of slots move in single copies."""
 
     def __init__(self, kv_cache: torch.Tensor, gib: float) -> None:
         self.kv_cache = kv_cache
-        per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-        self.num_blocks = cpu_pool_blocks(gib, per_block)
-        shape = (*kv_cache.shape[:2], self.num_blocks, *kv_cache.shape[3:])
-        self.blocks = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+        block_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
+        self.bytes_per_block = int(np.prod(block_shape)) * kv_cache.element_size()
+        self.num_blocks = cpu_pool_blocks(gib, self.bytes_per_block)
+        self.blocks = pinned_empty((self.num_blocks, *block_shape), kv_cache.dtype, kv_cache.is_cuda)
         self.free: deque[int] = deque(range(self.num_blocks))
+        self.staging = Staging(kv_cache.device)
+        self.stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (and pins, on CUDA)."""
+        return self.blocks.numel() * self.blocks.element_size()
 
     @property
     def num_free(self) -> int:
@@ -49,7 +74,7 @@ class CpuPool:
         return self.num_blocks - len(self.free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free CPU blocks."""
+        """Take `n` free CPU blocks (in ascending runs where the free list allows)."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} CPU blocks, only {len(self.free)} free")
         return [self.free.popleft() for _ in range(n)]
@@ -58,16 +83,35 @@ class CpuPool:
         """Give CPU blocks back to the pool."""
         self.free.extend(blocks)
 
-    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block -> CPU block for each (device, cpu) pair, as one gather and one copy."""
-        if pairs:
-            dev = torch.tensor([d for d, _ in pairs], device=self.kv_cache.device)
-            cpu = torch.tensor([c for _, c in pairs])
-            self.blocks[:, :, cpu] = self.kv_cache[:, :, dev].cpu()
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            yield
+        compute.wait_stream(self.stream)
 
-    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
-        """CPU block -> device block for each (cpu, device) pair, as one copy and one scatter."""
-        if pairs:
-            cpu = torch.tensor([c for c, _ in pairs])
-            dev = torch.tensor([d for _, d in pairs], device=self.kv_cache.device)
-            self.kv_cache[:, :, dev] = self.blocks[:, :, cpu].to(self.kv_cache.device)
+    def copy_to_cpu(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> CPU block for each (device, cpu) pair: one gather, then a copy per run."""
+        if not pairs:
+            return
+        device_ids = self.staging.send({"ids": np.array([d for d, _ in pairs], np.int64)})["ids"]
+        with self._on_copy_stream():
+            gathered = self.kv_cache.index_select(2, device_ids).movedim(2, 0).contiguous()
+            for first, slot, n in runs([c for _, c in pairs]):
+                self.blocks[slot:slot + n].copy_(gathered[first:first + n], non_blocking=True)
+
+    def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
+        """CPU block -> device block for each (cpu, device) pair: a copy per run, then one scatter."""
+        if not pairs:
+            return
+        device_ids = self.staging.send({"ids": np.array([d for _, d in pairs], np.int64)})["ids"]
+        with self._on_copy_stream():
+            moved = torch.empty((len(pairs), *self.blocks.shape[1:]), dtype=self.blocks.dtype,
+                                device=self.kv_cache.device)
+            for first, slot, n in runs([c for c, _ in pairs]):
+                moved[first:first + n].copy_(self.blocks[slot:slot + n], non_blocking=True)
+            self.kv_cache.index_copy_(2, device_ids, moved.movedim(0, 2))

@@ -1,4 +1,4 @@
-"""Preempted requests: offload their KV to the CPU pool and restore it, or drop it for recompute."""
+"""Preempted sequences: offload their KV to the CPU pool and restore it, or drop it for recompute."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from collections import deque
 
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool
+from workers.engine.block_table import BlockTables
 from workers.engine.offload import CpuPool
-from workers.engine.sequence import Sequence, Status
+from workers.engine.sequence import Sequence, Status, cdiv
 
 
-class Swapper:
+class Offloader:
     """Moves decoding sequences between the device blocks and the CPU pool.
 
     A sequence's exclusive blocks (and any it shares that the prefix cache could not find again) are
@@ -18,11 +19,11 @@ class Swapper:
     on restore, where copied complete blocks are also matched by hash so identical KV is kept once.
     """
 
-    def __init__(self, pool: BlockPool, cpu_pool: CpuPool | None) -> None:
+    def __init__(self, pool: BlockPool, tables: BlockTables, cpu_pool: CpuPool | None) -> None:
         self.pool = pool
         self.cpu_pool = cpu_pool
-        self.swapped: deque[Sequence] = deque()
-        self.cpu_blocks: dict[int, list[int]] = {}
+        self.tables = tables
+        self.offloaded: deque[Sequence] = deque()
         self.offloads = self.restores = 0
 
     def offload(self, seq: Sequence, batch: Batch) -> bool:
@@ -34,36 +35,32 @@ class Swapper:
             return False
         cpu = iter(self.cpu_pool.allocate(sum(copy)))
         slots = [next(cpu) if c else -1 for c in copy]
-        batch.swap_out += [(b, c) for b, c in zip(seq.block_table, slots) if c >= 0]
+        batch.offload_copies += [(b, c) for b, c in zip(seq.block_table, slots) if c >= 0]
         self.pool.release(reversed(seq.block_table))
+        self.tables.release(seq)
         seq.block_table = []
-        self.cpu_blocks[id(seq)] = slots
-        self.swapped.append(seq)
+        seq.cpu_blocks = slots
+        self.offloaded.append(seq)
         self.offloads += 1
         return True
 
     def plan_restore(self, seq: Sequence) -> tuple[list[int | None], int] | None:
-        """Per block: the device block to share (or None to copy in); and device blocks it consumes.
-        None when a block that was not copied is gone from the device."""
+        """Per block: the device block to share (or None to copy in); and the device blocks the
+        restore consumes, with the one its next token needs. None when a block that was not copied
+        is gone from the device."""
         plan, consumed = [], 0
-        for i, slot in enumerate(self.cpu_blocks[id(seq)]):
-            found = self._find(seq, i)
+        for i, slot in enumerate(seq.cpu_blocks):
+            found = self.pool.find(seq, i)
             if found is None and slot < 0:
                 return None
             plan.append(found)
             consumed += found is None or self.pool.ref_counts[found] == 0
-        return plan, consumed
-
-    def _find(self, seq: Sequence, i: int) -> int | None:
-        if i >= len(seq.block_hashes):
-            return None
-        bs = self.pool.block_size
-        return self.pool.lookup(seq.block_hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+        return plan, consumed + cdiv(len(seq.token_ids), self.pool.block_size) - len(plan)
 
     def restore(self, seq: Sequence, plan: list[int | None], batch: Batch) -> None:
         """Bring `seq` back onto the device following `plan`. Its CPU blocks are free again at once:
-        nothing is offloaded in a step that restores, so no swap-out can overwrite them first."""
-        slots = self.cpu_blocks.pop(id(seq))
+        nothing is offloaded in a step that restores, so no offload can overwrite them first."""
+        slots, seq.cpu_blocks = seq.cpu_blocks, []
         bs = self.pool.block_size
         for found in plan:
             if found is not None:
@@ -72,9 +69,9 @@ class Swapper:
         for i, (found, slot) in enumerate(zip(plan, slots)):
             if found is None:
                 found = next(fresh)
-                batch.swap_in.append((slot, found))
+                batch.restore_copies.append((slot, found))
                 if i < len(seq.block_hashes):
-                    self.pool.register(found, seq.block_hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+                    self.pool.register(found, seq.block_hashes[i], seq.block_tokens(i, bs))
             seq.block_table.append(found)
         self.cpu_pool.release([s for s in slots if s >= 0])
         seq.status = Status.RUNNING
@@ -82,5 +79,6 @@ class Swapper:
 
     def drop(self, seq: Sequence) -> None:
         """Forget an offloaded copy (its sequence will be recomputed, or was aborted)."""
-        self.cpu_pool.release([s for s in self.cpu_blocks.pop(id(seq)) if s >= 0])
-        self.swapped.remove(seq)
+        self.cpu_pool.release([s for s in seq.cpu_blocks if s >= 0])
+        seq.cpu_blocks = []
+        self.offloaded.remove(seq)

@@ -7,6 +7,7 @@ import numbers
 
 from rollout.config import EngineConfig
 from rollout.params import SamplingParams
+from workers.engine.sequence import cdiv, fork_spare_blocks
 
 
 def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int) -> list[int]:
@@ -29,17 +30,17 @@ def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int
     return ids
 
 
-def check_fits(config: EngineConfig, max_model_len: int, prompt_len: int, params: SamplingParams,
-               num_samples: int) -> None:
-    """Refuse `num_samples` samples of a prompt that the cache or `max_num_seqs` could never hold."""
+def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, prompt_len: int,
+               params: SamplingParams, num_samples: int) -> None:
+    """Refuse `num_samples` samples of a prompt that a cache of `num_blocks` blocks or `max_num_seqs`
+    could never hold."""
     if num_samples > config.max_num_seqs:
         raise ValueError(f"{num_samples} samples of one prompt exceed max_num_seqs={config.max_num_seqs}")
     bs = config.block_size
     longest = min(prompt_len + params.max_new_tokens, max_model_len) - 1
-    need = -(-longest // bs)
-    at_fork = -(-prompt_len // bs) + (num_samples - 1 if prompt_len % bs else 0)
-    if max(need, at_fork) > config.num_blocks:
+    need = max(cdiv(longest, bs), cdiv(prompt_len, bs) + fork_spare_blocks(prompt_len, num_samples, bs))
+    if need > num_blocks:
         raise ValueError(
             f"a prompt of {prompt_len} tokens with max_new_tokens={params.max_new_tokens} and "
-            f"{num_samples} samples needs {max(need, at_fork)} blocks of {bs} tokens; "
-            f"the cache has num_blocks={config.num_blocks}")
+            f"{num_samples} samples needs {need} blocks of {bs} tokens; the cache has {num_blocks} "
+            f"(num_blocks={config.num_blocks})")

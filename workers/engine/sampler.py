@@ -36,8 +36,22 @@ def uniforms(seeds: np.ndarray, prompt_hashes: np.ndarray, sample_indices: np.nd
 
 
 @dataclass
+class SamplingFlags:
+    """What a step's rows ask for, known on the host, so the sampler never reads a device flag."""
+
+    scale: bool  # some row has a temperature other than 0 and 1
+    max_top_k: int  # largest top_k of the step (0 = no row filters by top-k)
+    top_k1: bool  # some row has top_k == 1: exactly greedy
+    top_p: bool
+    min_p: bool
+    all_greedy: bool
+    any_greedy: bool
+    any_raw: bool  # some row reports the model's own logprob
+
+
+@dataclass
 class SamplingBatch:
-    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+    """Per-row sampling parameters of one step, as tensors on the logits' device, and host flags."""
 
     temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_k: torch.Tensor  # [B] int64, 0 = off
@@ -45,24 +59,29 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B] float32
     uniform: torch.Tensor  # [B] float64
     raw_logprobs: torch.Tensor  # [B] bool: report the model's own logprob
+    flags: SamplingFlags
 
 
 def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Logits after temperature, top-k, top-p and min-p (in that order); removed tokens are -inf."""
-    x = logits
-    if bool(((b.temperature != 1) & (b.temperature != 0)).any()):
+    """Logits after temperature, top-k, top-p and min-p (in that order); removed tokens are -inf.
+    A row with top_k == 1 keeps only its argmax (the lowest index among tied maxima)."""
+    x, f = logits, b.flags
+    if f.scale:
         x = x / torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))[:, None]
     vocab = x.shape[-1]
-    if bool((b.top_k > 0).any()):
-        k = torch.where(b.top_k > 0, b.top_k.clamp(max=vocab), torch.full_like(b.top_k, vocab))
-        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
-        x = x.masked_fill(x < kth, float("-inf"))
-    if bool((b.top_p < 1).any()):
+    if f.max_top_k:
+        top = torch.topk(x, min(f.max_top_k, vocab), dim=-1).values
+        kth = top.gather(1, (b.top_k.clamp(1, top.shape[1]) - 1)[:, None])
+        x = x.masked_fill((x < kth) & (b.top_k > 0)[:, None], float("-inf"))
+    if f.top_k1:
+        others = torch.arange(vocab, device=x.device)[None, :] != x.argmax(dim=-1, keepdim=True)
+        x = x.masked_fill(others & (b.top_k == 1)[:, None], float("-inf"))
+    if f.top_p:
         probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
         before = probs.cumsum(dim=-1) - probs
         drop_sorted = before >= b.top_p[:, None]
         x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    if bool((b.min_p > 0).any()):
+    if f.min_p:
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return x
@@ -70,19 +89,18 @@ def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens `[B]` and the logprob of each under the requested mode (greedy rows report raw)."""
-    logits = logits.float()
-    greedy = b.temperature == 0
-    if bool(greedy.all()):
+    logits, f = logits.float(), b.flags
+    if f.all_greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _raw_logprobs(logits, tokens)
     probs = torch.softmax(filtered_logits(logits, b), dim=-1)
     tokens = inverse_cdf(probs, b.uniform)
-    if bool(greedy.any()):
+    greedy = b.temperature == 0
+    if f.any_greedy:
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     chosen = probs.gather(1, tokens[:, None])[:, 0].log()
-    use_raw = b.raw_logprobs | greedy
-    if bool(use_raw.any()):
-        chosen = torch.where(use_raw, _raw_logprobs(logits, tokens), chosen)
+    if f.any_raw or f.any_greedy:
+        chosen = torch.where(b.raw_logprobs | greedy, _raw_logprobs(logits, tokens), chosen)
     return tokens, chosen
 
 
@@ -122,19 +140,28 @@ def sampling_rows(seqs: list[Sequence]) -> list[SampleRow]:
     return [SampleRow(seq, index, i) for i, seq in enumerate(seqs) for index in seq.sample_indices]
 
 
-def build_sampling_batch(rows: list[SampleRow], device: torch.device) -> SamplingBatch:
-    """Per-row parameters and counter-based uniforms keyed by (seed, prompt, sample, position)."""
+def sampling_arrays(rows: list[SampleRow]) -> tuple[dict[str, np.ndarray], SamplingFlags]:
+    """Per-row parameters and counter-based uniforms keyed by (seed, prompt, sample, position), as
+    host arrays for the step's one copy, and the flags the sampler takes its path from."""
     params = [r.seq.group.params for r in rows]
     keys = np.array([(r.seq.group.seed, r.seq.group.prompt_hash, r.sample_index, len(r.seq.token_ids))
-                     for r in rows], dtype=np.uint64)
+                     for r in rows], dtype=np.uint64).reshape(-1, 4)
+    temperature = np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([p.top_k for p in params], dtype=np.int64)
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    raw = np.array([p.logprobs_mode == "raw" for p in params], dtype=np.bool_)
+    greedy = temperature == 0
+    flags = SamplingFlags(scale=bool(((temperature != 1) & ~greedy).any()), max_top_k=int(top_k.max(initial=0)),
+                          top_k1=bool((top_k == 1).any()), top_p=bool((top_p < 1).any()),
+                          min_p=bool((min_p > 0).any()), all_greedy=bool(greedy.all()),
+                          any_greedy=bool(greedy.any()), any_raw=bool(raw.any()))
+    arrays = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+              "uniform": uniforms(*keys.T), "raw_logprobs": raw}
+    return arrays, flags
 
-    def col(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
 
-    return SamplingBatch(
-        temperature=col([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-        top_k=col([p.top_k for p in params], torch.long),
-        top_p=col([p.top_p for p in params], torch.float32),
-        min_p=col([p.min_p for p in params], torch.float32),
-        uniform=torch.from_numpy(uniforms(*keys.T)).to(device),
-        raw_logprobs=col([p.logprobs_mode == "raw" for p in params], torch.bool))
+def sampling_batch(tensors: dict[str, torch.Tensor], flags: SamplingFlags) -> SamplingBatch:
+    """The SamplingBatch of a step from its device tensors (named as in `sampling_arrays`)."""
+    names = ("temperature", "top_k", "top_p", "min_p", "uniform", "raw_logprobs")
+    return SamplingBatch(*(tensors[name] for name in names), flags=flags)

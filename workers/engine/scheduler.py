@@ -7,28 +7,34 @@ recompute. Offloaded requests are restored before any new prompt is admitted.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from typing import Iterator
 
 from rollout.config import EngineConfig
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.block_table import BlockTables
 from workers.engine.offload import CpuPool
-from workers.engine.preemption import Swapper
-from workers.engine.sequence import Sequence, Status
+from workers.engine.preemption import Offloader
+from workers.engine.sequence import Sequence, Status, cdiv, fork_spare_blocks
+
+TOKEN_COUNTERS = ("prefill_tokens", "decode_tokens", "recomputed_tokens")
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues, and every block a sequence holds."""
+    """Owns the waiting, running and offloaded queues, and every block a sequence holds."""
 
-    def __init__(self, config: EngineConfig, pool: BlockPool, cpu_pool: CpuPool | None = None) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, tables: BlockTables,
+                 cpu_pool: CpuPool | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.tables = tables
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.swapper = Swapper(pool, cpu_pool)
-        self.fork_blocks: dict[int, list[int]] = {}
-        self.cached_prefix_tokens = self.recomputes = 0
+        self.offloader = Offloader(pool, tables, cpu_pool)
+        self.counters = dict.fromkeys(("cached_prefix_tokens", "recomputes", *TOKEN_COUNTERS), 0)
         self.hash_root = 0
         self.admit_new = True
 
@@ -43,7 +49,20 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits, runs or is offloaded."""
-        return bool(self.waiting or self.running or self.swapper.swapped)
+        return bool(self.waiting or self.running or self.offloader.offloaded)
+
+    def set_weights_version(self, version: int) -> None:
+        """Root later prompts' prefix hashes in `version`: KV of older weights is never matched."""
+        self.hash_root = hash_block(0, [version])
+
+    @contextlib.contextmanager
+    def started_only(self) -> Iterator[None]:
+        """Admit no new request while inside (a drain finishes what is started)."""
+        self.admit_new = False
+        try:
+            yield
+        finally:
+            self.admit_new = True
 
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
@@ -58,14 +77,26 @@ class Scheduler:
         while True:
             for seq in [s for s in self.running if s.num_uncomputed and not _is_decode(s)]:
                 budget -= self._schedule_prefill(batch, seq, budget)
-            if not self.swapper.swapped:
+            if not self.offloader.offloaded:
                 budget -= self._admit(batch, budget)
             if batch.seqs or not self.running:
                 return batch
             self._preempt(self.running[-1], batch)
 
+    def update(self, batch: Batch) -> list[Sequence]:
+        """After the forward: count and register the computed tokens; returns the sequences whose
+        logits were computed (they sample a token)."""
+        done = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.counters[_token_kind(seq)] += n
+            seq.num_computed_tokens += n
+            self.pool.register_blocks(seq)
+            if seq.num_uncomputed == 0:
+                done.append(seq)
+        return done
+
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
+        return max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table))
 
     def _make_room(self, batch: Batch, decodes: list[Sequence]) -> bool:
         """Preempt the newest running sequences until every decode of this step gets its block;
@@ -84,7 +115,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         self.running.remove(seq)
         seq.num_preemptions += 1
-        if self.swapper.offload(seq, batch):
+        if self.offloader.offload(seq, batch):
             return
         self._reset(seq)
 
@@ -93,25 +124,24 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        self.recomputes += 1
+        self.counters["recomputes"] += 1
 
     def _restore(self, batch: Batch, decodes: list[Sequence]) -> list[Sequence]:
         """Bring offloaded sequences back, oldest first, while they fit beside this step's decodes."""
         spare = self.pool.num_available - sum(self._blocks_needed(s, 1) for s in decodes)
-        restored = []
-        while self.swapper.swapped and self.num_running_samples < self.config.max_num_seqs:
-            seq = self.swapper.swapped[0]
-            plan = self.swapper.plan_restore(seq)
+        restored, offloaded = [], self.offloader.offloaded
+        while offloaded and self.num_running_samples < self.config.max_num_seqs:
+            seq = offloaded[0]
+            plan = self.offloader.plan_restore(seq)
             if plan is None:
-                self.swapper.drop(seq)
+                self.offloader.drop(seq)
                 self._reset(seq)
                 continue
             blocks, consumed = plan
-            consumed += -(-len(seq.token_ids) // self.block_size) - len(blocks)
             if consumed > spare:
                 break
-            self.swapper.swapped.popleft()
-            self.swapper.restore(seq, blocks, batch)
+            offloaded.popleft()
+            self.offloader.restore(seq, blocks, batch)
             restored.append(seq)
             spare -= consumed
         self.running += restored
@@ -124,13 +154,14 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self.admit_new or seq.started):
                 break
-            cached = self._match_prefix(seq)
+            seq.hash_root = self.hash_root
+            cached = self.pool.match_prefix(seq, self.hash_root) if self.config.enable_prefix_caching else 0
             n = self._schedule_prefill(batch, seq, budget - used)
             if not n:
                 self._release(seq)
                 break
             used += n
-            self.cached_prefix_tokens += cached
+            self.counters["cached_prefix_tokens"] += cached
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
         return used
@@ -139,66 +170,34 @@ class Scheduler:
         return self.num_running_samples + len(seq.sample_indices) <= self.config.max_num_seqs
 
     def _schedule_prefill(self, batch: Batch, seq: Sequence, budget: int) -> int:
-        """Add the next chunk of `seq` if its blocks can be had; returns the tokens used."""
+        """Add the next chunk of `seq` if its blocks (and, with its last chunk, its fork's) can be
+        had; returns the tokens used."""
         n = min(seq.num_uncomputed, budget)
-        completes = n == seq.num_uncomputed
-        partial = len(seq.token_ids) % self.block_size != 0
-        extra = len(seq.sample_indices) - 1 if completes and partial else 0
-        if n == 0 or not self._grow(seq, n, extra):
+        if n == 0:
             return 0
+        spare = fork_spare_blocks(len(seq.token_ids), len(seq.sample_indices), self.block_size)
+        need = self._blocks_needed(seq, n)
+        if n < seq.num_uncomputed:
+            spare = 0
+        if need + spare > self.pool.num_available:
+            return 0
+        seq.block_table += self.pool.allocate(need)
+        seq.fork_blocks = self.pool.allocate(spare)
         batch.add(seq, n)
         return n
 
-    def _grow(self, seq: Sequence, n: int, extra: int = 0) -> bool:
-        """Give `seq` blocks for `n` more tokens (plus `extra` for its fork), or nothing at all."""
-        need = self._blocks_needed(seq, n)
-        if need + extra > self.pool.num_available:
-            return False
-        seq.block_table += self.pool.allocate(need)
-        if extra:
-            self.fork_blocks[id(seq)] = self.pool.allocate(extra)
-        return True
-
-    def _match_prefix(self, seq: Sequence) -> int:
-        """Share the cached complete blocks that start this sequence; at least one token stays to
-        compute. Returns the number of tokens served from the cache."""
-        seq.hash_root = self.hash_root
-        if not self.config.enable_prefix_caching:
-            return 0
-        bs, parent = self.block_size, self.hash_root
-        for i in range((len(seq.token_ids) - 1) // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            parent = hash_block(parent, tokens)
-            block = self.pool.lookup(parent, tokens)
-            if block is None:
-                break
-            self.pool.share(block)
-            seq.block_table.append(block)
-            seq.block_hashes.append(parent)
-        seq.num_computed_tokens = len(seq.block_table) * bs
-        return seq.num_computed_tokens
-
     def _release(self, seq: Sequence) -> None:
-        """Give back every block of `seq` and forget what was computed."""
+        """Give back every block of `seq` and its block-table row, and forget what was computed."""
         self.pool.release(reversed(seq.block_table))
-        self.pool.release(self.fork_blocks.pop(id(seq), []))
-        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
-
-    def register_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks `seq` has completed since the last step so later prompts can reuse them."""
-        bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
-            i = len(seq.block_hashes)
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            block_hash = hash_block(seq.block_hashes[-1] if i else seq.hash_root, tokens)
-            self.pool.register(seq.block_table[i], block_hash, tokens)
-            seq.block_hashes.append(block_hash)
+        self.pool.release(seq.fork_blocks)
+        self.tables.release(seq)
+        seq.block_table, seq.block_hashes, seq.fork_blocks, seq.num_computed_tokens = [], [], [], 0
 
     def fork(self, seq: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
         """New children share the parent's complete blocks and each get a copy of its partial last
         block (the parent keeps the original); returns the (src, dst) block copies to make."""
         copies = []
-        spare = self.fork_blocks.pop(id(seq), [])
+        spare, seq.fork_blocks = seq.fork_blocks, []
         num_full = len(seq.block_table) - (1 if spare else 0)
         for child in children:
             full = child.block_table[:num_full]
@@ -217,28 +216,40 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        elif seq in self.swapper.swapped:
-            self.swapper.drop(seq)
+        elif seq in self.offloader.offloaded:
+            self.offloader.drop(seq)
         seq.status = Status.FINISHED
         self._release(seq)
 
     def sequences(self) -> list[Sequence]:
         """Every unfinished sequence: running, waiting and offloaded."""
-        return [*self.running, *self.waiting, *self.swapper.swapped]
+        return [*self.running, *self.waiting, *self.offloader.offloaded]
 
-    def block_tables(self) -> list[list[int]]:
-        """Every block owner, for `BlockPool.check_integrity`."""
-        return [s.block_table for s in self.sequences()] + list(self.fork_blocks.values())
+    def stats(self) -> dict[str, int]:
+        """Token and preemption counters since start, and the queues' current sizes."""
+        return {**self.counters, "offloads": self.offloader.offloads, "restores": self.offloader.restores,
+                "running": len(self.running), "waiting": len(self.waiting),
+                "offloaded": len(self.offloader.offloaded)}
 
     def check_integrity(self) -> None:
-        """Block accounting balances, and every block a sequence will still write is its alone."""
-        self.pool.check_integrity(self.block_tables())
-        for seq in self.sequences():
+        """Block accounting balances, every block a sequence will still write is its alone, and the
+        block tables hold exactly each sequence's blocks."""
+        seqs = self.sequences()
+        self.pool.check_integrity([s.block_table for s in seqs] + [s.fork_blocks for s in seqs])
+        for seq in seqs:
             for block in seq.block_table[seq.num_computed_tokens // self.block_size:]:
                 assert self.pool.ref_counts[block] == 1, f"block {block} is shared but still written"
+        self.tables.check(seqs)
 
 
 def _is_decode(seq: Sequence) -> bool:
     """One token left to compute, by a sample: a prompt's last token goes through prefill, which
     reserves the blocks of its fork."""
     return seq.num_uncomputed == 1 and seq.is_forked
+
+
+def _token_kind(seq: Sequence) -> str:
+    """Which counter a computed token goes to: prompt prefill, decode, or recompute after preemption."""
+    if seq.num_uncomputed == 1 and seq.num_generated > 0:
+        return "decode_tokens"
+    return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"

@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 from rollout.params import SamplingParams
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of `b` tokens hold `a` tokens."""
+    return -(-a // b)
+
+
+def fork_spare_blocks(num_tokens: int, num_samples: int, block_size: int) -> int:
+    """Blocks a prompt of `num_tokens` reserves for its fork into `num_samples`: a copy of its
+    partial last block for every child but the first (none when the last block is complete)."""
+    return num_samples - 1 if num_tokens % block_size else 0
+
+
 class Status(enum.Enum):
     """Where a sequence is in its life."""
 
@@ -50,7 +61,9 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     hash_root: int = 0
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    fork_blocks: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)
+    row: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +89,10 @@ class Sequence:
     def is_forked(self) -> bool:
         """True once the sequence is one sample (after its prompt forked, or n = 1)."""
         return len(self.sample_indices) == 1
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        """The tokens of block `i`."""
+        return self.token_ids[i * block_size:(i + 1) * block_size]
 
     def fork(self, sample_index: int) -> "Sequence":
         """A child with this sequence's tokens and blocks (the caller fixes refcounts and the last block)."""

@@ -8,10 +8,9 @@ import os
 
 import torch
 
+from rollout.config import ATTENTION_BACKENDS
 from workers.engine.attention.base import AttentionBackend
 from workers.engine.attention.torch_backend import TorchBackend
-
-BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ def create_backend(name: str, kv_cache: torch.Tensor) -> AttentionBackend:
     if name == "flash_attn":
         from workers.engine.attention.flash_attn_backend import FlashAttnBackend
         return FlashAttnBackend(kv_cache)
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 def _auto_backend(kv_cache: torch.Tensor) -> AttentionBackend:

@@ -1,0 +1,71 @@
+"""The persistent block table: one row per running sequence, changed only when its blocks change."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.engine.memory import pinned_empty
+from workers.engine.sequence import Sequence
+
+
+class BlockTables:
+    """`[max_num_seqs, max_blocks_per_seq]` int32 block ids, kept on the host (a pinned mirror on CUDA).
+
+    A sequence takes a row when it first runs in a step and gives it back when it loses its blocks
+    (preempted, offloaded, finished). Between those, its blocks only grow, so `sync` writes the new
+    tail and records the changed cells; the model runner applies them to its device copy. Cells past
+    a sequence's own blocks keep old ids and are never read: every kernel stops at `seq_lens`.
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pin: bool) -> None:
+        self.block_size = block_size
+        self.host = pinned_empty((max_rows, max_blocks), torch.int32, pin).zero_()
+        self.array = self.host.numpy()
+        self.written = [0] * max_rows
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.changed: list[np.ndarray] = []
+
+    @property
+    def max_blocks(self) -> int:
+        """Columns of the table: blocks of a `max_model_len` sequence."""
+        return self.array.shape[1]
+
+    def sync(self, seq: Sequence) -> int:
+        """The row of `seq`, taking a free one on its first step, with its new blocks written in."""
+        if seq.row < 0:
+            if not self.free_rows:
+                raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
+            seq.row = self.free_rows.pop()
+        row, start, end = seq.row, self.written[seq.row], len(seq.block_table)
+        if end > start:
+            self.array[row, start:end] = seq.block_table[start:end]
+            self.changed.append(np.arange(row * self.max_blocks + start, row * self.max_blocks + end))
+            self.written[row] = end
+        return row
+
+    def release(self, seq: Sequence) -> None:
+        """Give the row of `seq` back (it no longer holds blocks)."""
+        if seq.row >= 0:
+            self.written[seq.row] = 0
+            self.free_rows.append(seq.row)
+            seq.row = -1
+
+    def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat cell indices written since the last call, and their block ids."""
+        if not self.changed:
+            return np.zeros(0, np.int64), np.zeros(0, np.int32)
+        cells = np.concatenate(self.changed)
+        self.changed = []
+        return cells, self.array.reshape(-1)[cells]
+
+    def check(self, seqs: list[Sequence]) -> None:
+        """Every sequence with a row has exactly its own blocks there, and no two share a row."""
+        rows = [s.row for s in seqs if s.row >= 0]
+        assert len(set(rows)) == len(rows), "two sequences share a block-table row"
+        assert not set(rows) & set(self.free_rows), "a block-table row is both free and used"
+        for seq in seqs:
+            if seq.row >= 0:
+                n = len(seq.block_table)
+                assert self.written[seq.row] == n, f"row {seq.row} holds {self.written[seq.row]} of {n} blocks"
+                assert self.array[seq.row, :n].tolist() == seq.block_table, f"row {seq.row} is stale"

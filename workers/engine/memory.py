@@ -1,0 +1,85 @@
+"""How big the KV cache is, in which dtype the model runs, and host memory pinned to the exact byte."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Callable
+
+import torch
+import transformers
+
+from rollout.config import EngineConfig
+from workers.engine.sequence import cdiv
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_SHARE = 0.2  # of the memory available at start, for the default CPU KV cache
+CPU_KV_CAP_GIB = 4.0  # so that two default workers sit comfortably on a 24 GiB machine
+
+
+def available_ram_bytes() -> int:
+    """Physical memory not in use right now (Linux and macOS)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_dtype(config: EngineConfig, hf_config: transformers.PretrainedConfig) -> torch.dtype:
+    """`config.dtype`, where "auto" is the checkpoint's 16-bit dtype (else bfloat16) on CUDA and
+    float32 on the CPU."""
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    if not config.device.startswith("cuda"):
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
+    return saved if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def kv_budget_bytes(config: EngineConfig, profile_peak: Callable[[], int]) -> int:
+    """Bytes the KV cache may take: `kv_cache_memory_gib` when set; else on CUDA the card's
+    `gpu_memory_utilization` minus the profiled peak and memory held outside torch; else a capped
+    share of free memory."""
+    if config.kv_cache_memory_gib is not None:
+        return int(config.kv_cache_memory_gib * 2**30)
+    if config.device.startswith("cuda"):
+        peak = profile_peak()
+        free, total = torch.cuda.mem_get_info(config.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(config.device)
+        return int(total * config.gpu_memory_utilization) - peak - outside_torch
+    return int(min(available_ram_bytes() * CPU_KV_SHARE, CPU_KV_CAP_GIB * 2**30))
+
+
+def num_cache_blocks(config: EngineConfig, budget: int, bytes_per_block: int, max_model_len: int) -> int:
+    """Blocks the budget holds, never more than `max_num_seqs` sequences of `max_model_len` need;
+    ValueError when not even one such sequence fits."""
+    per_seq = cdiv(max_model_len, config.block_size)
+    blocks = max(0, budget) // bytes_per_block
+    if blocks < per_seq:
+        raise ValueError(
+            f"the KV cache budget of {budget / 2**30:.3f} GiB holds {blocks} blocks of {config.block_size} "
+            f"tokens ({bytes_per_block} bytes each), fewer than the {per_seq} one sequence of "
+            f"max_model_len={max_model_len} tokens needs; raise kv_cache_memory_gib or "
+            f"gpu_memory_utilization, or lower max_model_len")
+    return min(blocks, per_seq * config.max_num_seqs)
+
+
+def log_cache(num_blocks: int, block_size: int, bytes_per_block: int, sized: bool) -> None:
+    """Say once how big the KV cache is, in blocks, tokens and GiB."""
+    how = "sized automatically" if sized else "num_blocks as configured"
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)", num_blocks, block_size,
+                num_blocks * block_size, num_blocks * bytes_per_block / 2**30, how)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked to its exact size when `pin` (torch's pinned
+    allocator would round the allocation up to a power of two)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if pin and tensor.numel():
+        nbytes = tensor.numel() * tensor.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+        weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    return tensor

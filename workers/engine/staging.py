@@ -1,0 +1,64 @@
+"""Small host arrays sent to the device in one copy from one staging buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.engine.memory import pinned_empty
+
+_ALIGN = 8  # every array starts at a multiple of the largest element size, so device views are aligned
+
+
+class Staging:
+    """A host buffer (pinned on CUDA) that packs a step's small arrays for one non-blocking copy.
+
+    Two buffers are used in turn, and a buffer is refilled only after the copy that last read it has
+    completed, so filling step t+1's inputs never races step t's transfer. On the CPU the packed
+    host buffer is itself the result: no copy at all.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity = 0
+        self.turn = 0
+        self.host: list[torch.Tensor] = []
+        self.dev: list[torch.Tensor] = []
+        self.done: list[torch.cuda.Event] = []
+
+    def _reserve(self, nbytes: int) -> None:
+        if nbytes <= self.capacity:
+            return
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # old buffers may still be read
+        self.capacity = max(nbytes, 2 * self.capacity, 4096)
+        self.host = [pinned_empty((self.capacity,), torch.uint8, self.cuda) for _ in range(2)]
+        if self.cuda:
+            self.dev = [torch.empty(self.capacity, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self.done = [torch.cuda.Event() for _ in range(2)]
+
+    def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device tensors with the values and dtypes of `arrays`, after one host-to-device copy."""
+        offsets, end = {}, 0
+        for name, array in arrays.items():
+            offsets[name] = end
+            end += -(-array.nbytes // _ALIGN) * _ALIGN
+        self._reserve(end)
+        host = dev = self.host[self.turn]
+        if self.cuda:
+            dev = self.dev[self.turn]
+            self.done[self.turn].synchronize()
+        raw = host.numpy()
+        for name, array in arrays.items():
+            raw[offsets[name]:offsets[name] + array.nbytes] = np.ascontiguousarray(array).view(np.uint8)
+        if self.cuda:
+            dev[:end].copy_(host[:end], non_blocking=True)
+            self.done[self.turn].record()
+        self.turn ^= 1
+        return {name: dev[offsets[name]:offsets[name] + array.nbytes].view(_TORCH[array.dtype.str[1:]])
+                for name, array in arrays.items()}
+
+
+_TORCH = {"i8": torch.int64, "i4": torch.int32, "f8": torch.float64, "f4": torch.float32, "b1": torch.bool,
+          "u1": torch.uint8}

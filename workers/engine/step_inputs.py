@@ -1,0 +1,75 @@
+"""A step's small inputs, computed on the host from sequence state as arrays for one device copy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.engine.block_table import BlockTables
+from workers.engine.sampler import SampleRow, SamplingFlags, sampling_arrays, sampling_rows
+from workers.engine.sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    """Host arrays of one step (named as the device tensors they become) and the host scalars that
+    pick kernel shapes: the block-table width, the longest query and the longest sequence."""
+
+    arrays: dict[str, np.ndarray]
+    flags: SamplingFlags
+    rows: list[SampleRow]
+    width: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    expand: bool  # forks: several sampling rows read one kept row of logits
+    tables: torch.Tensor | None = None  # block tables of a synthetic step (profile, warm-up)
+
+
+def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables) -> StepPlan:
+    """Ids, positions, cache slots, `cu_seqlens_q`, `seq_lens`, table rows, kept rows and sampling
+    parameters of `num_tokens[i]` new tokens of each `seqs[i]`."""
+    rows = np.array([tables.sync(seq) for seq in seqs], np.int64)
+    counts = np.array(num_tokens, np.int64)
+    starts = np.array([seq.num_computed_tokens for seq in seqs], np.int64)
+    ids = [t for seq, a, n in zip(seqs, starts.tolist(), num_tokens) for t in seq.token_ids[a:a + n]]
+    cu = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum(counts, out=cu[1:])
+    positions = np.repeat(starts - cu[:-1], counts) + np.arange(cu[-1])
+    bs = tables.block_size
+    slots = tables.array[np.repeat(rows, counts), positions // bs].astype(np.int64) * bs + positions % bs
+    seq_lens = starts + counts
+    ends = seq_lens == np.array([len(seq.token_ids) for seq in seqs])
+    sampled = [seq for seq, end in zip(seqs, ends) if end]
+    sample_rows = sampling_rows(sampled)
+    sampling, flags = sampling_arrays(sample_rows)
+    cells, values = tables.take_changes()
+    arrays = {"ids": np.array(ids, np.int64), "positions": positions, "slots": slots,
+              "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32), "rows": rows,
+              "keep": cu[1:][ends] - 1, "logits_rows": np.array([r.logits_row for r in sample_rows], np.int64),
+              "table_cells": cells, "table_values": values, **sampling}
+    width = max(len(seq.block_table) for seq in seqs)
+    return StepPlan(arrays, flags, sample_rows, width, int(counts.max()), int(seq_lens.max()),
+                    expand=len(sample_rows) != len(sampled))
+
+
+def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
+    """A synthetic step: one sequence of `num_tokens` prompt tokens over blocks 0, 1, ..., and
+    `num_rows` sampling rows with every filter on (the sampler's most memory-hungry path)."""
+    width = -(-num_tokens // block_size)
+    keep = np.arange(max(0, num_tokens - num_rows), num_tokens, dtype=np.int64)
+    uniform = np.linspace(0, 1, num_rows, endpoint=False)
+    full = np.ones(num_rows)
+    arrays = {"ids": np.zeros(num_tokens, np.int64), "positions": np.arange(num_tokens, dtype=np.int64),
+              "slots": np.arange(num_tokens, dtype=np.int64), "cu_seqlens_q": np.array([0, num_tokens], np.int32),
+              "seq_lens": np.array([num_tokens], np.int32), "rows": np.zeros(1, np.int64), "keep": keep,
+              "logits_rows": np.arange(num_rows, dtype=np.int64) % keep.size,
+              "table_cells": np.zeros(0, np.int64), "table_values": np.zeros(0, np.int32),
+              "temperature": (0.7 * full).astype(np.float32), "top_k": (50 * full).astype(np.int64),
+              "top_p": (0.9 * full).astype(np.float32), "min_p": (0.01 * full).astype(np.float32),
+              "uniform": uniform, "raw_logprobs": np.zeros(num_rows, np.bool_)}
+    flags = SamplingFlags(scale=True, max_top_k=50, top_k1=False, top_p=True, min_p=True, all_greedy=False,
+                          any_greedy=False, any_raw=False)
+    tables = torch.arange(width, dtype=torch.int32)[None]
+    return StepPlan(arrays, flags, [], width, num_tokens, num_tokens, expand=True, tables=tables)
