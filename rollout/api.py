@@ -12,9 +12,10 @@ from ray.actor import ActorHandle
 
 from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray
+from rollout.params import WeightSource
 from rollout.service import launch, stop
 from rollout.stream import RolloutStream, open_stream, sampling_params
-from rollout.weight_sync import WeightSource, WeightSync, push_weights
+from rollout.weight_sync import WeightSync, push_weights
 
 __all__ = ["init", "sample", "update_weights", "init_weight_sync", "shutdown", "RolloutStream"]
 

@@ -8,12 +8,12 @@ import signal
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import tomllib
 
 from rollout.config import LOCAL_CONFIG, load_service_config
 from rollout.params import SamplingParams

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
 from ray._private import ray_constants, services
+from ray.exceptions import RayTaskError
 
 from rollout.config import ServiceConfig
 
@@ -42,3 +44,14 @@ def _loopback_only() -> None:
     # it sets is overridden too); the processes it starts read it from the environment.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def get_result(ref: ray.ObjectRef) -> Any:
+    """`ray.get`, raising the original error of a failed worker or service call rather than Ray's wrapper."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as err:
+        cause: BaseException = err
+        while isinstance(cause, RayTaskError) and cause.cause is not None:
+            cause = cause.cause
+        raise cause from None

@@ -3,6 +3,9 @@ weight update."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Mapping, Union
+
 import msgspec
 
 from rollout.checks import check_types
@@ -10,6 +13,8 @@ from rollout.checks import check_types
 GREEDY_TEMPERATURE = 1e-5  # below it (0 included) sampling is greedy: logits / T would overflow
 LOGPROBS_MODES = ("processed", "raw")
 UPDATE_MODES = ("continue", "abort", "finish")  # what a weight update does to samples already started
+# New policy weights: a state dict of tensors, or a directory of safetensors files.
+WeightSource = Union[Mapping[str, "torch.Tensor"], str, Path]  # noqa: F821 (torch is not imported here)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

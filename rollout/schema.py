@@ -34,11 +34,6 @@ def samples_to_batch(rows: list[dict]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=SAMPLE_SCHEMA)
 
 
-def empty_table() -> pa.Table:
-    """A table with no rows in SAMPLE_SCHEMA."""
-    return SAMPLE_SCHEMA.empty_table()
-
-
 def sort_samples(table: pa.Table) -> pa.Table:
     """Rows ordered by prompt, then sample: the order `generate` and `to_table` promise."""
     return table.sort_by([("prompt_index", "ascending"), ("sample_index", "ascending")])

@@ -9,9 +9,9 @@ import pyarrow as pa
 import ray
 from ray import ObjectRefGenerator
 from ray.actor import ActorHandle
-from ray.exceptions import RayTaskError
 from tqdm.auto import tqdm
 
+from rollout.local_ray import get_result
 from rollout.params import SamplingParams
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
 
@@ -79,14 +79,3 @@ class RolloutStream:
     def __del__(self) -> None:
         if getattr(self, "_open", False) and ray.is_initialized():
             self.cancel()
-
-
-def get_result(ref: ray.ObjectRef) -> Any:
-    """`ray.get`, raising the original error of a failed worker or service call rather than Ray's wrapper."""
-    try:
-        return ray.get(ref)
-    except RayTaskError as err:
-        cause: BaseException = err
-        while isinstance(cause, RayTaskError) and cause.cause is not None:
-            cause = cause.cause
-        raise cause from None

@@ -12,14 +12,21 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from rollout.params import check_update
-from rollout.stream import get_result
+from rollout.local_ray import get_result
+from rollout.params import WeightSource, check_update
 from workers.messages import TRANSPORTS, WeightGroup, WeightUpdate
-from workers.weight_format import check_state_dict, checkpoint_tensors, describe, pack, plan_buckets, to_numpy
+from workers.weight_format import (
+    check_bucket_bytes,
+    check_state_dict,
+    checkpoint_tensors,
+    describe,
+    pack,
+    plan_buckets,
+    to_numpy,
+)
 from workers.weight_group import broadcast, group_device, host_store, open_group
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-WeightSource = Mapping[str, torch.Tensor] | str | Path
 
 
 def push_weights(service: ActorHandle, source: WeightSource, version: int, mode: str = "continue",
@@ -69,8 +76,7 @@ class WeightSync:
         for its peers on `host` (default: this node's Ray address; 127.0.0.1 under an embedded local Ray),
         `port` 0 picks a free port. `backend` defaults to "nccl" for CUDA engines and "gloo" otherwise. A
         collective that waits longer than `timeout_s` fails."""
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 1")
+        check_bucket_bytes(bucket_bytes)
         world_size, backend = get_result(service.weight_group_spec.remote(backend))
         host = host or ray.util.get_node_ip_address()
         store = host_store(host, port, timeout_s)

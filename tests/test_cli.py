@@ -12,7 +12,6 @@ import pytest
 from rollout.cli import main
 from rollout.demo import DEMO_PROMPTS
 
-
 EMBEDDED_DEFAULT = """
 import rollout
 print(rollout.sample(["Hello", [5, 6, 7]], n=3, max_new_tokens=4).to_table().num_rows)

@@ -90,7 +90,8 @@ def test_eos_stops_unless_ignored(qwen3):
 
 def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
     engine = make_engine(qwen3)
-    rid = engine.add_request(random_prompts(1, 512, (20, 20))[0], SamplingParams(n=3, max_new_tokens=50, ignore_eos=True))
+    params = SamplingParams(n=3, max_new_tokens=50, ignore_eos=True)
+    rid = engine.add_request(random_prompts(1, 512, (20, 20))[0], params)
     for _ in range(3):
         engine.step()
     rows = engine.abort(rid)

@@ -9,6 +9,8 @@ from scipy.stats import chisquare
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts, run
 from tests.test_engine_parity import exact_distribution, reference_logprobs
+from workers.engine.sampler import SampleRow, sample, sampling_arrays, sampling_batch
+from workers.engine.sequence import Group, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +120,19 @@ def test_first_token_distribution_chi_square(qwen3, params):
     keep = exp > 0
     result = chisquare(obs[keep].numpy(), exp[keep].numpy())
     assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e} over {int(keep.sum())} bins"
+
+
+def test_top_k_1_is_exactly_greedy_on_tied_logits():
+    """top_k=1 over tied maxima (common in bf16) takes the lowest index every time, with the filtered
+    distribution's logprob 0, whatever the row's uniform number."""
+    logits = torch.zeros(64, 8)
+    logits[:, [2, 5]] = 3.0
+    rows = [SampleRow(seq, i, 0) for i, seq in enumerate([_seq(SamplingParams(top_k=1, seed=s)) for s in range(64)])]
+    arrays, flags = sampling_arrays(rows)
+    tokens, logprobs = sample(logits, sampling_batch({k: torch.from_numpy(v) for k, v in arrays.items()}, flags))
+    assert tokens.tolist() == [2] * 64 and logprobs.tolist() == [0.0] * 64
+
+
+def _seq(params: SamplingParams) -> Sequence:
+    group = Group("r", 0, [1, 2], params, params.seed, 0, frozenset(), 1)
+    return Sequence(group, [0], [1, 2])

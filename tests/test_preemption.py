@@ -11,8 +11,8 @@ from rollout import SamplingParams
 from tests.conftest import DEVICES, make_engine, random_prompts, run
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
-from workers.engine.offload import CpuPool
 from workers.engine.block_table import BlockTables
+from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
 from workers.engine.sequence import Group, Sequence, Status
 

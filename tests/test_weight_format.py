@@ -7,8 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workers.weight_format import (checkpoint_tensors, describe, from_numpy, pack, plan_buckets, to_numpy,
-                                   unpack)
+from workers.weight_format import checkpoint_tensors, describe, from_numpy, pack, plan_buckets, to_numpy, unpack
 
 STATE = {"a": torch.randn(3, 4, dtype=torch.bfloat16), "b": torch.randn(5), "c": torch.arange(6).view(2, 3),
          "d": torch.randn(2, 2, dtype=torch.bfloat16), "e": torch.tensor(1.5, dtype=torch.float16)}

@@ -97,11 +97,16 @@ def nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * torch_dtype(meta.dtype).itemsize
 
 
+def check_bucket_bytes(bucket_bytes: int) -> None:
+    """ValueError unless `bucket_bytes` is a positive int."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1")
+
+
 def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
     """Group the indices of `tensors` into buckets of one dtype and at most `bucket_bytes` each (a larger
     tensor gets a bucket of its own), in order within each dtype."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be >= 1")
+    check_bucket_bytes(bucket_bytes)
     done: list[list[int]] = []
     open_buckets: dict[str, tuple[list[int], int]] = {}
     for index, meta in enumerate(tensors):

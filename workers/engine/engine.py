@@ -12,7 +12,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams, check_update
+from rollout.params import SamplingParams, WeightSource, check_update
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
@@ -20,7 +20,7 @@ from workers.engine.offload import CpuPool
 from workers.engine.request_checks import check_fits, check_prompt
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
-from workers.engine.weights import WeightSource, check_weights, copy_weights, load_source
+from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]
 

@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file
 
-WeightSource = Mapping[str, torch.Tensor] | str | Path
+from rollout.params import WeightSource
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:

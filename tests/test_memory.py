@@ -1,0 +1,87 @@
+"""KV cache sizing, dtype "auto", the CPU pool's exact size and the persistent block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from rollout import SamplingParams
+from rollout.config import EngineConfig
+from tests.conftest import make_engine, run
+from workers.engine import memory
+from workers.engine.offload import CpuPool
+
+GIB = 2**30
+
+
+def test_explicit_num_blocks_wins(model_dir):
+    engine = make_engine(model_dir(), num_blocks=37, kv_cache_memory_gib=1.0)
+    assert engine.pool.num_blocks == 37 and engine.runner.kv_cache.shape[2] == 37
+
+
+def test_automatic_size_stays_within_the_budget(model_dir):
+    budget = 0.001
+    engine = make_engine(model_dir(), num_blocks=None, kv_cache_memory_gib=budget)
+    runner = engine.runner
+    assert engine.pool.num_blocks == int(budget * GIB) // runner.bytes_per_block
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() <= budget * GIB
+    rows = run(engine, [[5, 6, 7, 8, 9]], SamplingParams(n=4, max_new_tokens=20, ignore_eos=True))
+    assert len(rows) == 4
+
+
+def test_default_cpu_size_is_a_capped_share_and_never_more_than_max_num_seqs_need(model_dir):
+    engine = make_engine(model_dir(), num_blocks=None, max_num_seqs=8)
+    per_seq = -(-engine.max_model_len // 16)
+    assert engine.pool.num_blocks == per_seq * 8  # the tiny model needs far less than the share
+    budget = memory.kv_budget_bytes(EngineConfig(model="m"), lambda: 0)
+    assert budget <= memory.CPU_KV_CAP_GIB * GIB
+
+
+def test_a_budget_too_small_for_one_sequence_is_refused(model_dir):
+    with pytest.raises(ValueError, match=r"fewer than the 64 one sequence of max_model_len=1024 tokens needs"):
+        make_engine(model_dir(), num_blocks=None, kv_cache_memory_gib=1e-5)
+
+
+def test_cuda_budget_is_the_utilisation_minus_the_profiled_peak_and_foreign_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 20 * GIB)
+    config = EngineConfig(model="m", device="cuda", gpu_memory_utilization=0.5)
+    assert memory.kv_budget_bytes(config, lambda: 16 * GIB) == 40 * GIB - 16 * GIB - 10 * GIB
+    with_budget = EngineConfig(model="m", device="cuda", kv_cache_memory_gib=3.0)
+    assert memory.kv_budget_bytes(with_budget, lambda: pytest.fail("no profile when the budget is set")) == 3 * GIB
+
+
+@pytest.mark.parametrize("device, saved, expected", [
+    ("cpu", torch.bfloat16, torch.float32), ("cuda", torch.bfloat16, torch.bfloat16),
+    ("cuda", torch.float16, torch.float16), ("cuda", torch.float32, torch.bfloat16), ("cuda", None, torch.bfloat16)])
+def test_dtype_auto(device, saved, expected):
+    hf = transformers.Qwen3Config(dtype=saved)
+    assert memory.resolve_dtype(EngineConfig(model="m", device=device), hf) == expected
+    assert memory.resolve_dtype(EngineConfig(model="m", device=device, dtype="float16"), hf) == torch.float16
+
+
+def test_config_refuses_bad_memory_fields():
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
+        EngineConfig(model="m", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="kv_cache_memory_gib=0"):
+        EngineConfig(model="m", kv_cache_memory_gib=0)
+
+
+def test_cpu_pool_takes_exactly_its_blocks_bytes():
+    cache = torch.zeros(2, 2, 4, 16, 2, 8)
+    per_block = 2 * 2 * 16 * 2 * 8 * 4
+    pool = CpuPool(cache, gib=(10 * per_block + 100) / GIB)
+    assert pool.num_blocks == 10 and pool.nbytes == 10 * per_block
+
+
+def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
+    cache = torch.randn(2, 2, 6, 4, 1, 2)
+    pool = CpuPool(cache, gib=8 * cache[:, :, 0].numel() * 4 / GIB)
+    original = cache.clone()
+    pool.copy_to_cpu([(5, 0), (1, 1), (3, 2), (2, 6)])
+    cache.zero_()
+    pool.copy_to_device([(6, 0), (2, 4), (0, 3), (1, 1)])
+    for cpu_slot, dst in ((6, 0), (2, 4), (0, 3), (1, 1)):
+        src = {0: 5, 1: 1, 2: 3, 6: 2}[cpu_slot]
+        assert torch.equal(cache[:, :, dst], original[:, :, src])
