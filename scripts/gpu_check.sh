@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks of the attention backends in one run on a CUDA machine (the device tool's, or any):
+# The GPU checks in one run on a CUDA machine (the device tool's, or any):
 #   - pytest of the engine and kernel tests: on CUDA the Triton kernels are compiled and compared with
 #     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
-#     the GPU in float32, and offload/restore through pinned CPU memory keeps outputs identical;
+#     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
+#     step makes exactly one host sync (torch's sync debug mode), and automatic KV sizing stays within
+#     the card's budget (tests/test_gpu_step.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth.
-# Logs go to $OUT (default /tmp/gpu_check). Wheels in .whl/ (e.g. msgspec, which the device image
-# lacks) are installed into /tmp/site first; the project runs from the source tree, no install.
+# Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec: copy its wheel into the
+# ignored folder .whl/ first and carry it with the device call, e.g.
+#   mkdir -p .whl && cp ../shared/wheels/msgspec-*.whl .whl/      # then run with carry [".whl"]
+# Wheels in .whl/ are installed into /tmp/site; the project runs from the source tree, no install.
 # Usage: bash scripts/gpu_check.sh [extra pytest args]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
@@ -15,11 +19,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'
+python3 -c "import torch, triton, transformers, msgspec; assert torch.cuda.is_available(), 'no CUDA device'
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__,
-      'transformers', transformers.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
+      'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
-    tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py "$@" 2>&1 | tee "$OUT/tests.log"
+    tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
+    tests/test_memory.py "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}

@@ -1,0 +1,62 @@
+"""The GPU-shaped step on a real GPU: one host sync per decode step, automatic sizing within the
+card's budget, and an exact-size pinned CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.config import EngineConfig
+from tests.conftest import ON_GPU, random_prompts
+from workers.engine import Engine
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def decode_syncs(engine: Engine, steps: int) -> list[int]:
+    """Synchronizing CUDA calls in each of `steps` decode steps (torch's sync debug mode)."""
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return counts
+
+
+def test_one_sync_per_decode_step(model_dir):
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=16))
+    for i, prompt in enumerate(random_prompts(6, 512, (5, 40), seed=3)):
+        params = SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9, top_k=20, max_new_tokens=64,
+                                seed=i, ignore_eos=True)
+        engine.add_request(prompt, params, prompt_index=i)
+    while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # staging buffers and allocator pools warm
+        engine.step()
+    assert decode_syncs(engine, 8) == [1] * 8
+    engine.check_integrity()
+
+
+def test_automatic_size_stays_within_the_cards_budget(model_dir):
+    free, total = torch.cuda.mem_get_info()
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", gpu_memory_utilization=0.3,
+                                 max_model_len=1024))
+    cache = engine.runner.kv_cache
+    assert cache.dtype == torch.bfloat16, "dtype auto on CUDA"
+    assert engine.pool.num_blocks > 0
+    assert torch.cuda.memory_allocated() <= 0.3 * total + (total - free)
+
+
+def test_cpu_pool_is_pinned_to_its_exact_size(model_dir):
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", num_blocks=64, cpu_offload_gib=0.01))
+    pool = engine.cpu_pool
+    assert pool.blocks.is_pinned()
+    assert pool.nbytes == pool.num_blocks * pool.bytes_per_block <= 0.01 * 2**30
