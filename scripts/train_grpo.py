@@ -74,13 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="join this Ray cluster ('auto': RAY_ADDRESS or the local head) instead of starting "
                         "an embedded local Ray")
     p.add_argument("--seed", type=int, default=0, help="seeds torch and the sampling noise")
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="torch threads of this (trainer) process; more than the cores the workers leave free "
+                        "oversubscribes them (with --async-rollouts on 2 cores, 2 threads made steps 3-10x slower)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="generated tokens per sample at most")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio")
     p.add_argument("--report", type=Path, default=None, help="write per-iteration figures to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of reward and agreement per iteration")
     args = p.parse_args(argv)
-    for name in ("iterations", "num_workers", "max_new_tokens"):
+    for name in ("iterations", "num_workers", "max_new_tokens", "trainer_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.lr > 0 and 0 < args.clip < 1):
@@ -191,6 +194,7 @@ def plot(report: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     its = [r["iteration"] for r in report]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4.5), sharex=True, dpi=80)
@@ -200,6 +204,7 @@ def plot(report: list[dict], path: Path, title: str) -> None:
     bottom.semilogy(its, [max(r["logprob_mismatch_mean"], 1e-12) for r in report], marker="o", label="mean")
     bottom.set(xlabel="iteration", ylabel="|trainer - rollout| logprob")
     bottom.legend()
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.address:
         ray.init(address=args.address)
     rollout.init(model=str(model_dir), num_workers=args.num_workers, device="cpu", dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.trainer_threads)
     try:
         if args.transport == "broadcast":
             rollout.init_weight_sync()
@@ -220,6 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{args.iterations} iterations in {time.perf_counter() - start:.1f} s; reward "
               f"{report[0]['reward_mean']:.3f} -> {report[-1]['reward_mean']:.3f}")
     finally:
+        torch.set_num_threads(threads)  # as it was: main may run inside a larger program (the tests)
         rollout.shutdown()
     if args.report:
         args.report.write_text(json.dumps({"iterations": report}, indent=1) + "\n")
