@@ -2,7 +2,7 @@
 
 Task: make the model write numbers. The reward of a sample is the share of its generated tokens whose text
 is made of ASCII digits only ("7", " 3", "20": 14 of the demo tokenizer's 512 ids), a verifiable rule in
-[0, 1]; the demo's tiny random model starts near 0.02.
+[0, 1]; the demo's tiny random model starts near 0.03.
 
 Each iteration: `rollout.sample(prompts, n=8, return_token_versions=True)` streams record batches, each
 scored as it arrives; advantages are the rewards normalised within each prompt's group of 8; the loss is the
@@ -56,8 +56,8 @@ from trainer_client import to_torch  # noqa: E402
 N = 8  # samples per prompt: one GRPO group
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, checked before any work starts (bad values exit with status 2)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's flags, each with its help."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--iterations", type=int, default=20, help="training iterations (sample, score, step, push)")
@@ -80,8 +80,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24, help="generated tokens per sample at most")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio")
-    p.add_argument("--report", type=Path, default=None, help="write per-iteration figures to this JSON file")
+    p.add_argument("--report", type=Path, default=None,
+                   help='write {"iterations": [...]} to this JSON file, one object per iteration: iteration, '
+                        "policy_version (the workers' version when its samples were requested), reward_mean, "
+                        "samples, logprob_mismatch_max, logprob_mismatch_mean, versions_ok, seconds, "
+                        "tokens_by_version")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of reward and agreement per iteration")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before any work starts (bad values exit with status 2)."""
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("iterations", "num_workers", "max_new_tokens", "trainer_threads"):
         if getattr(args, name) < 1:
