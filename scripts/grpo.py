@@ -71,7 +71,8 @@ def producing_logprobs(policies: dict[int, transformers.PreTrainedModel], curren
     under v, later ones under v + 1) is recomputed like the engine ran it: the logprob of generated token j
     comes from the step that read token j - 1, so the step that sampled the first new-version token j_s read
     position P + j_s - 1 (P: prompt length) with the new weights, attending over keys and values that the
-    old weights cached for every position before it."""
+    old weights cached for every position before it. (A sample preempted and recomputed after the update would
+    have new-weight KV before the switch too; none is at the trainer's sizes, and the mismatch would show it.)"""
     out = current.detach().clone()
     prompt_lens = (tensors["attention_mask"] - tensors["response_mask"]).sum(1)
     older = [b for b, v in enumerate(token_versions) if v and v[0] != current_version]
