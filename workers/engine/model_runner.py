@@ -10,6 +10,8 @@ import transformers
 from rollout.config import EngineConfig
 from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
+from workers.engine.longrope import set_rope_step
+from workers.engine.model_support import adapt_model, check_config, kv_layout
 from workers.engine.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,11 +23,12 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     if not (path / "config.json").is_file():
         raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
     try:
+        check_config(transformers.AutoConfig.from_pretrained(path))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[config.dtype], attn_implementation=ATTN_IMPLEMENTATION)
     except (OSError, KeyError) as err:
         raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
-    return model.to(config.device).eval()
+    return adapt_model(model.to(config.device).eval())
 
 
 class ModelRunner:
@@ -35,11 +38,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.model = load_model(config)
-        hf = self.model.config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.kv_cache = torch.zeros(hf.num_hidden_layers, 2, config.num_blocks, config.block_size,
-                                    hf.num_key_value_heads, head_dim, dtype=DTYPES[config.dtype],
-                                    device=self.device)
+        layers, kv_heads, head_dim = kv_layout(self.model)
+        self.kv_cache = torch.zeros(layers, 2, config.num_blocks, config.block_size, kv_heads, head_dim,
+                                    dtype=DTYPES[config.dtype], device=self.device)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         self.block_size = config.block_size
         self._warmup()
@@ -60,11 +61,12 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple:
         """input_ids, positions, metadata and the packed rows whose logits are needed."""
-        input_ids, positions, seq_lens, keep, cu = [], [], [], [], [0]
+        input_ids, positions, lengths, seq_lens, keep, cu = [], [], [], [], [], [0]
         for seq, n in zip(seqs, num_tokens):
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
+            lengths += [len(seq.token_ids)] * n
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
             if start + n == len(seq.token_ids):
@@ -81,6 +83,7 @@ class ModelRunner:
                                  torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_table,
                                  max(num_tokens), max(seq_lens))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        set_rope_step(self.model, lengths)
         return ids, pos, meta, torch.tensor(keep, dtype=torch.long, device=dev)
 
     @torch.inference_mode()
@@ -89,7 +92,10 @@ class ModelRunner:
         """Logits `[len(keep), vocab]` of the packed rows `keep`."""
         self.backend.prepare_metadata(meta)
         set_backend(self.backend)
-        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
+        try:
+            out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, logits_to_keep=keep)
+        finally:
+            set_backend(None)
         return out.logits[0]
 
     def run(self, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
