@@ -15,6 +15,7 @@ from rollout.config import EngineConfig
 from rollout.params import SamplingParams, check_update
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.longrope import rope_switch_length
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.request_checks import check_fits, check_prompt
@@ -42,6 +43,7 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.cpu_pool)
+        self.scheduler.rope_switch_length = rope_switch_length(self.runner.model)
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(
@@ -272,7 +274,9 @@ def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
 
 
 def _load_tokenizer(model_dir: str):
+    """The model's tokenizer, or None when it has none or it needs a package that is not installed:
+    token-id prompts still work, string prompts are then refused."""
     try:
         return transformers.AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, ImportError):
         return None

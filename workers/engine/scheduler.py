@@ -31,6 +31,8 @@ class Scheduler:
         self.cached_prefix_tokens = self.recomputes = 0
         self.hash_root = 0
         self.admit_new = True
+        # LongRoPE: a sequence longer than this uses other RoPE factors, so its KV is recomputed
+        self.rope_switch_length: int | None = None
 
     @property
     def num_running_samples(self) -> int:
@@ -48,6 +50,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
+        self._recompute_rope_switches()
         decodes = [s for s in self.running if _is_decode(s)][:budget]
         if not self._make_room(batch, decodes):
             decodes += self._restore(batch, decodes)[: budget - len(decodes)]
@@ -63,6 +66,23 @@ class Scheduler:
             if batch.seqs or not self.running:
                 return batch
             self._preempt(self.running[-1], batch)
+
+    def _recompute_rope_switches(self) -> None:
+        """Reset running sequences whose last token took them past `rope_switch_length`: like
+        `generate`, their whole KV is recomputed with the long RoPE factors."""
+        switch = self.rope_switch_length
+        if switch is None:
+            return
+        for seq in [s for s in self.running if s.num_computed_tokens <= switch < len(s.token_ids)]:
+            if seq.num_computed_tokens:
+                self.running.remove(seq)
+                self._reset(seq)
+
+    def _hash_root(self, seq: Sequence) -> int:
+        """Root of the block hash chain: the weights version, and the RoPE factors `seq` uses."""
+        if self.rope_switch_length is not None and len(seq.token_ids) > self.rope_switch_length:
+            return hash_block(self.hash_root, [-1])
+        return self.hash_root
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
@@ -162,10 +182,10 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> int:
         """Share the cached complete blocks that start this sequence; at least one token stays to
         compute. Returns the number of tokens served from the cache."""
-        seq.hash_root = self.hash_root
+        seq.hash_root = self._hash_root(seq)
         if not self.config.enable_prefix_caching:
             return 0
-        bs, parent = self.block_size, self.hash_root
+        bs, parent = self.block_size, seq.hash_root
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             parent = hash_block(parent, tokens)
