@@ -97,3 +97,63 @@ def test_unverified_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"model type 'mixtral'.*not verified"):
         make_engine(path)
+
+
+# ---- one test per bug of issue #12 (hybrid layers and chunked attention: the refusals above) -----------
+
+def test_longrope_sample_does_not_depend_on_its_batch(zoo_dir):
+    """A short prompt alone, beside a long one, and a long prompt in chunks all equal `generate`."""
+    path = zoo_dir("phi3_longrope")
+    short, long = prompts_of([6, 40])
+    expected = greedy_references(hf_model(path), [short, long])
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    for batch, config in [([short], {}), ([short, long], {}), ([long], {"max_batch_tokens": 16})]:
+        rows = run(make_engine(path, block_size=8, **config), batch, params)
+        for i, prompt in enumerate(batch):
+            assert rows[(i, 0)]["token_ids"] == expected[[short, long].index(prompt)], (len(batch), config)
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_factors_apart(zoo_dir):
+    """A long prompt sharing its first blocks with a short one does not reuse their short-factor KV."""
+    path = zoo_dir("phi3_longrope")
+    long = prompts_of([40])[0]
+    short = long[:20]
+    expected = greedy_references(hf_model(path), [short, long])
+    engine = make_engine(path, block_size=8)
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    assert run(engine, [short], params)[(0, 0)]["token_ids"] == expected[0]
+    assert run(engine, [long], params)[(0, 0)]["token_ids"] == expected[1]
+
+
+def test_paged_attention_outside_a_step_is_refused_and_leaves_the_cache_alone(zoo_dir):
+    path = zoo_dir("llama")
+    prompt = prompts_of([12])[0]
+    engine = make_engine(path, block_size=8)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    engine.step()
+    cache = engine.runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        engine.runner.model(torch.tensor([prompt[:5]]))
+    assert torch.equal(engine.runner.kv_cache, cache)
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step()
+    assert rows[0]["token_ids"] == greedy_references(hf_model(path), [prompt])[0]
+
+
+def test_model_whose_tokenizer_needs_a_missing_package_loads_for_token_ids(tmp_path):
+    pytest.importorskip("transformers.models.biogpt")
+    try:
+        import sacremoses  # noqa: F401
+        pytest.skip("sacremoses is installed")
+    except ImportError:
+        pass
+    path = build_zoo_model("llama", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BioGptTokenizer"}))
+    (tmp_path / "vocab.json").write_text(json.dumps({"<s>": 0, "</s>": 1, "a": 2}))
+    (tmp_path / "merges.txt").write_text("a a 1\n")
+    engine = make_engine(path)
+    table = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=3))
+    assert len(table.column("token_ids")[0].as_py()) == 3
+    with pytest.raises(ValueError, match="is a string but model .* has no tokenizer"):
+        engine.generate(["hello"], SamplingParams(max_new_tokens=3))
