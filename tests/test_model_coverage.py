@@ -102,15 +102,18 @@ def test_unverified_architecture_is_refused(tmp_path):
 # ---- one test per bug of issue #12 (hybrid layers and chunked attention: the refusals above) -----------
 
 def test_longrope_sample_does_not_depend_on_its_batch(zoo_dir):
-    """A short prompt alone, beside a long one, and a long prompt in chunks all equal `generate`."""
+    """A short prompt alone or beside a long one, a prompt whose decoding crosses the original length
+    (recomputed once, as `generate` does), and long prompts in chunks all equal `generate`."""
     path = zoo_dir("phi3_longrope")
-    short, long = prompts_of([6, 40])
-    expected = greedy_references(hf_model(path), [short, long])
+    prompts = dict(zip(["short", "crossing", "long"], prompts_of([6, 26, 40])))
+    expected = dict(zip(prompts, greedy_references(hf_model(path), list(prompts.values()))))
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
-    for batch, config in [([short], {}), ([short, long], {}), ([long], {"max_batch_tokens": 16})]:
-        rows = run(make_engine(path, block_size=8, **config), batch, params)
-        for i, prompt in enumerate(batch):
-            assert rows[(i, 0)]["token_ids"] == expected[[short, long].index(prompt)], (len(batch), config)
+    chunked = {"max_batch_tokens": 16, "enable_prefix_caching": False}
+    for names, config in [(["short"], {}), (["short", "long", "crossing"], {}), (["long", "crossing"], chunked)]:
+        rows = run(make_engine(path, block_size=8, **config), [prompts[n] for n in names], params)
+        for i, name in enumerate(names):
+            assert rows[(i, 0)]["token_ids"] == expected[name], (name, names, config)
+            assert rows[(i, 0)]["num_preemptions"] == (name == "crossing"), (name, names, config)
 
 
 def test_longrope_prefix_cache_keeps_short_and_long_factors_apart(zoo_dir):

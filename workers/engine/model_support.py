@@ -114,13 +114,15 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
     probe = _ShapeProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    model_type = model.config.model_type
     set_backend(probe)
     try:
         model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
               logits_to_keep=1)
+    except NotImplementedError as err:
+        raise refuse(model_type, str(err)) from err
     finally:
         set_backend(None)
-    model_type = model.config.model_type
     layers = [layer for layer, _, _ in probe.calls]
     if layers != list(range(model.config.num_hidden_layers)):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "

@@ -31,8 +31,10 @@ class Scheduler:
         self.cached_prefix_tokens = self.recomputes = 0
         self.hash_root = 0
         self.admit_new = True
-        # LongRoPE: a sequence longer than this uses other RoPE factors, so its KV is recomputed
+        # LongRoPE: a sequence longer than this uses the long RoPE factors, its blocks hash under a
+        # root of `long_rope_roots`, and a shorter one that grows past it is recomputed
         self.rope_switch_length: int | None = None
+        self.long_rope_roots: set[int] = set()
 
     @property
     def num_running_samples(self) -> int:
@@ -68,21 +70,25 @@ class Scheduler:
             self._preempt(self.running[-1], batch)
 
     def _recompute_rope_switches(self) -> None:
-        """Reset running sequences whose last token took them past `rope_switch_length`: like
-        `generate`, their whole KV is recomputed with the long RoPE factors."""
+        """Reset running sequences whose KV was computed with the short RoPE factors and whose last
+        token took them past `rope_switch_length`: like `generate`, their whole KV is recomputed with
+        the long factors (counted as a preemption)."""
         switch = self.rope_switch_length
         if switch is None:
             return
-        for seq in [s for s in self.running if s.num_computed_tokens <= switch < len(s.token_ids)]:
-            if seq.num_computed_tokens:
-                self.running.remove(seq)
-                self._reset(seq)
+        for seq in [s for s in self.running if s.num_computed_tokens and len(s.token_ids) > switch
+                    and s.hash_root not in self.long_rope_roots]:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self._reset(seq)
 
     def _hash_root(self, seq: Sequence) -> int:
         """Root of the block hash chain: the weights version, and the RoPE factors `seq` uses."""
-        if self.rope_switch_length is not None and len(seq.token_ids) > self.rope_switch_length:
-            return hash_block(self.hash_root, [-1])
-        return self.hash_root
+        if self.rope_switch_length is None or len(seq.token_ids) <= self.rope_switch_length:
+            return self.hash_root
+        root = hash_block(self.hash_root, [-1])
+        self.long_rope_roots.add(root)
+        return root
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table))
