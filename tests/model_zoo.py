@@ -12,9 +12,9 @@ import torch
 import transformers as tf
 
 VOCAB = 128
-_LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-_GPT = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256)
+_LLAMA_LIKE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+_GPT = {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -40,15 +40,17 @@ ZOO: dict[str, tuple[type, dict]] = {
     "starcoder2": (tf.Starcoder2Config, {**_LLAMA_LIKE, "sliding_window": 12}),
     "gpt2": (tf.GPT2Config, _GPT),
     "gpt_neox": (tf.GPTNeoXConfig, {**_LLAMA_LIKE, "rotary_pct": 0.5}),
-    "opt": (tf.OPTConfig, dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                               num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32)),
-    "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
-    "falcon": (tf.FalconConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=256)),
+    "opt": (tf.OPTConfig, {"vocab_size": VOCAB, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "max_position_embeddings": 256, "word_embed_proj_dim": 32}),
     "persimmon": (tf.PersimmonConfig, {**_LLAMA_LIKE, "num_key_value_heads": 4}),
     # families the engine refuses, with the feature it names
-    "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
-                                        "num_experts": 2, "num_experts_per_tok": 1, "linear_num_value_heads": 2,
+    "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
+    "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 2,
+                                 "max_position_embeddings": 256}),
+    "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, "head_dim": 8,
+                                        "layer_types": ["linear_attention", "full_attention"], "num_experts": 2,
+                                        "num_experts_per_tok": 1, "linear_num_value_heads": 2,
                                         "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                                         "linear_value_head_dim": 8, "moe_intermediate_size": 16}),
     "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
@@ -62,20 +64,22 @@ ZOO: dict[str, tuple[type, dict]] = {
                                    "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}),
     "llama4_text": (tf.Llama4TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "attention_chunk_size": 8,
                                           "intermediate_size_mlp": 64, "num_local_experts": 2}),
-    "bloom": (tf.BloomConfig, dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)),
-    "mpt": (tf.MptConfig, dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256)),
+    "llama_dynamic_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    "bloom": (tf.BloomConfig, {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4}),
+    "mpt": (tf.MptConfig, {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 256}),
     "codegen": (tf.CodeGenConfig, {**_GPT, "rotary_dim": 4, "n_ctx": 256}),
-    "xglm": (tf.XGLMConfig, dict(vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4,
-                                 max_position_embeddings=256)),
-    "falcon_alibi": (tf.FalconConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=4, alibi=True, max_position_embeddings=256)),
-    "gpt_neo": (tf.GPTNeoConfig, dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
-                                      attention_types=[[["global", "local"], 1]], window_size=8,
-                                      max_position_embeddings=256)),
-    "recurrent_gemma": (tf.RecurrentGemmaConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                                      num_hidden_layers=2, num_attention_heads=4,
-                                                      lru_width=32, attention_window_size=16)),
-    "mamba": (tf.MambaConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4)),
+    "xglm": (tf.XGLMConfig, {"vocab_size": VOCAB, "d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4,
+                                 "max_position_embeddings": 256}),
+    "falcon_alibi": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+                                           "num_attention_heads": 4, "alibi": True, "max_position_embeddings": 256}),
+    "gpt_neo": (tf.GPTNeoConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                      "attention_types": [[["global", "local"], 1]], "window_size": 8,
+                                      "max_position_embeddings": 256}),
+    "recurrent_gemma": (tf.RecurrentGemmaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "lru_width": 32, "attention_window_size": 16}),
+    "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
     "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
                                           "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
                                           "n_routed_experts": 2, "num_experts_per_tok": 1,

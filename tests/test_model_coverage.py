@@ -20,7 +20,7 @@ ACCEPTED = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
-    "minimax": "layer type 'linear_attention'", "llama4_text": "chunked",
+    "minimax": "layer type 'linear_attention'", "llama4_text": "chunked", "llama_dynamic_rope": "rope type 'dynamic'",
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",

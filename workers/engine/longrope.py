@@ -11,7 +11,7 @@ that crosses (`rope_switch_length`).
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 import transformers
@@ -55,14 +55,12 @@ class PerSequenceLongRope(torch.nn.Module):
 
 
 def install_per_sequence_longrope(model: transformers.PreTrainedModel) -> None:
-    """Replace the rotary embedding of a LongRoPE `model` by a `PerSequenceLongRope`; others untouched."""
+    """Replace the rotary embedding of a LongRoPE `model` (Phi-3: one shared `rotary_emb`) by a
+    `PerSequenceLongRope`; other models are left untouched."""
     rope = getattr(model.config, "rope_parameters", None) or {}
     if rope.get("rope_type") != "longrope":
         return
     base = model.base_model
-    if not isinstance(getattr(base, "rotary_emb", None), torch.nn.Module):
-        raise ValueError(f"model type {model.config.model_type!r}: LongRoPE without a shared rotary_emb "
-                         "module is not supported")
     base.rotary_emb = PerSequenceLongRope(base.rotary_emb)
 
 

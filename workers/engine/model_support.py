@@ -77,9 +77,12 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     rope_types = {rope.get("rope_type")} if "rope_type" in rope else {
         p.get("rope_type") for p in rope.values() if isinstance(p, dict)}
     if "dynamic" in rope_types:
-        found.append("rope type 'dynamic' (its frequencies depend on the whole batch)")
-    if "longrope" in rope_types and "rope_type" not in rope:
-        found.append("rope type 'longrope' per layer type")
+        found.append("rope type 'dynamic', whose frequencies depend on the whole batch")
+    if "longrope" in rope_types and ("rope_type" not in rope or config.model_type != "phi3"):
+        found.append("rope type 'longrope' outside Phi-3's single rotary embedding")
+    elif "longrope" in rope_types and rope["original_max_position_embeddings"] != getattr(
+            config, "original_max_position_embeddings", None):
+        found.append("LongRoPE with two different original_max_position_embeddings")
     return found
 
 
