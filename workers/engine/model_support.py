@@ -19,7 +19,8 @@ from workers.engine.longrope import install_per_sequence_longrope
 # Model types verified exact in tests/test_model_coverage.py.
 SUPPORTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm", "cohere",
-    "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon"})
+    "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon",
+    "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
