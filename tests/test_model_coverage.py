@@ -94,9 +94,9 @@ def test_unverified_architecture_is_refused(tmp_path):
     """A model type nobody verified is refused, even when its attention would go through ours."""
     path = build_zoo_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+    config.update(model_type="helium", architectures=["HeliumForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"model type 'mixtral'.*not verified"):
+    with pytest.raises(ValueError, match=r"model type 'helium'.*not verified"):
         make_engine(path)
 
 
