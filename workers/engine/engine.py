@@ -38,7 +38,8 @@ class Engine:
         self.tokenizer = _load_tokenizer(config.model)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
-        self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool)
+        self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
+                                   self.runner.rope_switch_length)
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(("steps", "forks"), 0)
@@ -244,7 +245,9 @@ def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
 
 
 def _load_tokenizer(model_dir: str):
+    """The model's tokenizer, or None when it has none or it needs a package that is not installed:
+    token-id prompts still work, string prompts are then refused."""
     try:
         return transformers.AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, ImportError):
         return None

@@ -15,6 +15,8 @@ from workers.engine import memory
 from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
+from workers.engine.longrope import rope_switch_length, set_rope_step
+from workers.engine.model_support import adapt_model, check_config
 from workers.engine.sampler import SampleRow, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
@@ -29,6 +31,7 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
         raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(path)
+        check_config(hf_config)
         on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
@@ -58,11 +61,12 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.model = load_model(config)
+        layers, kv_heads, head_dim = adapt_model(self.model)
+        self.rope_switch_length = rope_switch_length(self.model)
         hf = self.model.config
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.block_size = config.block_size
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.block_shape = (hf.num_hidden_layers, 2, config.block_size, hf.num_key_value_heads, head_dim)
+        self.block_shape = (layers, 2, config.block_size, kv_heads, head_dim)
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
                                   config.block_size, pin=self.device.type == "cuda")
@@ -115,7 +119,11 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device, sent in one copy; block-table rows synced first."""
-        return self._send(plan_step(seqs, num_tokens, self.tables))
+        plan = plan_step(seqs, num_tokens, self.tables)
+        if self.rope_switch_length is not None:
+            lengths = np.array([len(seq.token_ids) for seq in seqs], np.int64)
+            plan.arrays["token_lengths"] = np.repeat(lengths, num_tokens)
+        return self._send(plan)
 
     def _send(self, plan: StepPlan) -> StepInputs:
         t = self.staging.send(plan.arrays)
@@ -126,6 +134,8 @@ class ModelRunner:
         meta = AttentionMetadata(t["slots"], t["cu_seqlens_q"], t["seq_lens"], block_table,
                                  plan.max_seqlen_q, plan.max_seqlen_k)
         logits_rows = t["logits_rows"] if plan.expand else None
+        if "token_lengths" in t:
+            set_rope_step(self.model, t["token_lengths"])
         return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.rows,
                           sampling_batch(t, plan.flags), logits_rows)
 

@@ -26,7 +26,7 @@ class Scheduler:
     """Owns the waiting, running and offloaded queues, and every block a sequence holds."""
 
     def __init__(self, config: EngineConfig, pool: BlockPool, tables: BlockTables,
-                 cpu_pool: CpuPool | None = None) -> None:
+                 cpu_pool: CpuPool | None = None, rope_switch_length: int | None = None) -> None:
         self.config = config
         self.pool = pool
         self.tables = tables
@@ -37,6 +37,10 @@ class Scheduler:
         self.counters = dict.fromkeys(("cached_prefix_tokens", "recomputes", *TOKEN_COUNTERS), 0)
         self.hash_root = 0
         self.admit_new = True
+        # LongRoPE: a sequence longer than this uses the long RoPE factors, its blocks hash under a
+        # root of `long_rope_roots`, and a shorter one that grows past it is recomputed
+        self.rope_switch_length = rope_switch_length
+        self.long_rope_roots: set[int] = set()
 
     @property
     def num_running_samples(self) -> int:
@@ -67,6 +71,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
+        self._recompute_rope_switches()
         decodes = [s for s in self.running if _is_decode(s)][:budget]
         if not self._make_room(batch, decodes):
             decodes += self._restore(batch, decodes)[: budget - len(decodes)]
@@ -94,6 +99,27 @@ class Scheduler:
             if seq.num_uncomputed == 0:
                 done.append(seq)
         return done
+
+    def _recompute_rope_switches(self) -> None:
+        """Reset running sequences whose KV was computed with the short RoPE factors and whose last
+        token took them past `rope_switch_length`: like `generate`, their whole KV is recomputed with
+        the long factors (counted as a preemption)."""
+        switch = self.rope_switch_length
+        if switch is None:
+            return
+        for seq in [s for s in self.running if s.num_computed_tokens and len(s.token_ids) > switch
+                    and s.hash_root not in self.long_rope_roots]:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self._reset(seq)
+
+    def _hash_root(self, seq: Sequence) -> int:
+        """Root of the block hash chain: the weights version, and the RoPE factors `seq` uses."""
+        if self.rope_switch_length is None or len(seq.token_ids) <= self.rope_switch_length:
+            return self.hash_root
+        root = hash_block(self.hash_root, [-1])
+        self.long_rope_roots.add(root)
+        return root
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table))
@@ -154,8 +180,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self.admit_new or seq.started):
                 break
-            seq.hash_root = self.hash_root
-            cached = self.pool.match_prefix(seq, self.hash_root) if self.config.enable_prefix_caching else 0
+            seq.hash_root = self._hash_root(seq)
+            cached = self.pool.match_prefix(seq, seq.hash_root) if self.config.enable_prefix_caching else 0
             n = self._schedule_prefill(batch, seq, budget - used)
             if not n:
                 self._release(seq)

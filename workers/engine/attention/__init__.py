@@ -35,6 +35,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          if v is not None and v is not False and k not in _IGNORED_KWARGS)
     if unsupported:
         raise NotImplementedError(f"paged attention does not support the arguments {unsupported}")
+    if _backend is None:
+        raise RuntimeError("paged attention called outside an engine step: a model loaded with "
+                           f"attn_implementation={ATTN_IMPLEMENTATION!r} only runs inside ModelRunner.forward")
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects one packed sequence, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

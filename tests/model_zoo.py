@@ -1,0 +1,117 @@
+"""Tiny random configs of many transformers architectures, for the model-coverage tests.
+
+Each entry is the smallest config of its family that still exercises what makes the family
+different (GQA, partial rotary, sliding windows, LongRoPE, hybrid layers, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+_LLAMA_LIKE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+_GPT = {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256}
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
+             "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
+
+ZOO: dict[str, tuple[type, dict]] = {
+    # families the engine serves exactly
+    "llama": (tf.LlamaConfig, _LLAMA_LIKE),
+    "qwen2": (tf.Qwen2Config, _LLAMA_LIKE),
+    "qwen3": (tf.Qwen3Config, {**_LLAMA_LIKE, "head_dim": 8}),
+    "mistral": (tf.MistralConfig, {**_LLAMA_LIKE, "sliding_window": 12}),
+    "gemma2": (tf.Gemma2Config, {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": 12,
+                                 "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 12}),
+    "gemma3_text": (tf.Gemma3TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "sliding_window": 12,
+                                          "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": (tf.Phi3Config, {**_LLAMA_LIKE, "pad_token_id": 0}),
+    "phi3_longrope": (tf.Phi3Config, {**_LLAMA_LIKE, "pad_token_id": 0, "hidden_size": 64, "num_attention_heads": 8,
+                                      "num_key_value_heads": 4, "max_position_embeddings": 128,
+                                      "original_max_position_embeddings": 32, "rope_parameters": _LONGROPE}),
+    "olmo2": (tf.Olmo2Config, {**_LLAMA_LIKE, "pad_token_id": 0}),
+    "stablelm": (tf.StableLmConfig, {**_LLAMA_LIKE, "partial_rotary_factor": 0.5}),
+    "cohere": (tf.CohereConfig, {**_LLAMA_LIKE, "pad_token_id": 0}),
+    "granite": (tf.GraniteConfig, {**_LLAMA_LIKE, "attention_multiplier": 0.3, "residual_multiplier": 0.7,
+                                   "embedding_multiplier": 2.0, "logits_scaling": 1.5}),
+    "starcoder2": (tf.Starcoder2Config, {**_LLAMA_LIKE, "sliding_window": 12}),
+    "gpt2": (tf.GPT2Config, _GPT),
+    "gpt_neox": (tf.GPTNeoXConfig, {**_LLAMA_LIKE, "rotary_pct": 0.5}),
+    "opt": (tf.OPTConfig, {"vocab_size": VOCAB, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "max_position_embeddings": 256, "word_embed_proj_dim": 32}),
+    "persimmon": (tf.PersimmonConfig, {**_LLAMA_LIKE, "num_key_value_heads": 4}),
+    "gemma": (tf.GemmaConfig, {**_LLAMA_LIKE, "head_dim": 8}),
+    "phi": (tf.PhiConfig, {**_LLAMA_LIKE, "partial_rotary_factor": 0.5}),
+    "olmo": (tf.OlmoConfig, {**_LLAMA_LIKE, "pad_token_id": 0}),
+    "mixtral": (tf.MixtralConfig, {**_LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (tf.Qwen2MoeConfig, {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}),
+    "qwen3_moe": (tf.Qwen3MoeConfig, {**_LLAMA_LIKE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 16}),
+    "olmoe": (tf.OlmoeConfig, {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    # families the engine refuses, with the feature it names
+    "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
+    "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 2,
+                                 "max_position_embeddings": 256}),
+    "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, "head_dim": 8,
+                                        "layer_types": ["linear_attention", "full_attention"], "num_experts": 2,
+                                        "num_experts_per_tok": 1, "linear_num_value_heads": 2,
+                                        "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                                        "linear_value_head_dim": 8, "moe_intermediate_size": 16}),
+    "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+                               "use_mamba_kernels": False}),
+    "bamba": (tf.BambaConfig, {**_LLAMA_LIKE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16}),
+    "falcon_h1": (tf.FalconH1Config, {**_LLAMA_LIKE, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64}),
+    "granitemoehybrid": (tf.GraniteMoeHybridConfig, {**_LLAMA_LIKE, "layer_types": ["mamba", "attention"],
+                                                     "mamba_n_heads": 4, "mamba_d_head": 16}),
+    "lfm2": (tf.Lfm2Config, {**_LLAMA_LIKE, "layer_types": ["conv", "full_attention"]}),
+    "minimax": (tf.MiniMaxConfig, {**_LLAMA_LIKE, "layer_types": ["linear_attention", "full_attention"],
+                                   "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}),
+    "llama4_text": (tf.Llama4TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "attention_chunk_size": 8,
+                                          "intermediate_size_mlp": 64, "num_local_experts": 2}),
+    "llama_dynamic_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    "bloom": (tf.BloomConfig, {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4}),
+    "mpt": (tf.MptConfig, {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 256}),
+    "codegen": (tf.CodeGenConfig, {**_GPT, "rotary_dim": 4, "n_ctx": 256}),
+    "xglm": (tf.XGLMConfig, {"vocab_size": VOCAB, "d_model": 32, "ffn_dim": 64, "num_layers": 2, "attention_heads": 4,
+                                 "max_position_embeddings": 256}),
+    "falcon_alibi": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+                                           "num_attention_heads": 4, "alibi": True, "max_position_embeddings": 256}),
+    "gpt_neo": (tf.GPTNeoConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                      "attention_types": [[["global", "local"], 1]], "window_size": 8,
+                                      "max_position_embeddings": 256}),
+    "recurrent_gemma": (tf.RecurrentGemmaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "lru_width": 32, "attention_window_size": 16}),
+    "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
+    "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
+                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                          "n_routed_experts": 2, "num_experts_per_tok": 1,
+                                          "moe_intermediate_size": 16, "first_k_dense_replace": 1}),
+    "deepseek_v3": (tf.DeepseekV3Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
+                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                          "n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1,
+                                          "topk_group": 1, "moe_intermediate_size": 16,
+                                          "first_k_dense_replace": 1}),
+}
+
+
+def build_zoo_model(name: str, path: str | Path, seed: int = 0) -> str:
+    """Save a random-weight float32 model of zoo entry `name` into `path`; returns the path."""
+    config_class, kwargs = ZOO[name]
+    config = config_class(**kwargs, tie_word_embeddings=False)
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,163 @@
+"""Every model the engine accepts is exact; every other is refused at construction, naming the feature.
+
+Accepted: greedy tokens equal transformers `generate` (float32) for a batch mixing short and long
+prompts under chunked prefill, and their logprobs equal a plain forward to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.conftest import hf_model, make_engine, run
+from tests.model_zoo import VOCAB, ZOO, build_zoo_model
+
+ACCEPTED = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "olmo2",
+            "stablelm", "cohere", "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon", "gemma", "phi",
+            "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+REFUSED = {
+    "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
+    "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
+    "minimax": "layer type 'linear_attention'", "llama4_text": "chunked", "llama_dynamic_rope": "rope type 'dynamic'",
+    "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
+    "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
+    "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
+    "deepseek_v2": "latent attention", "deepseek_v3": "latent attention",
+}
+# Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that
+# start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
+PROMPT_LENGTHS = [3, 26, 40, 5, 37]
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    """`zoo_dir(name)` -> directory of the tiny random model of zoo entry `name`, built once."""
+    built = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build_zoo_model(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+def prompts_of(lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(sum(lengths))
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy_references(model, prompts: list[list[int]]) -> list[list[int]]:
+    """`generate`'s greedy continuation of each prompt, alone (an explicit mask: a prompt may hold the
+    pad id, which `generate` would otherwise mask out)."""
+    outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=MAX_NEW, do_sample=False) for p in prompts]
+    return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]
+
+
+@torch.no_grad()
+def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Logprob of each token from a forward pass over everything before it (the distribution that
+    `generate` sampled it from; with LongRoPE one pass over the whole text would use other factors)."""
+    ids = prompt + tokens
+    return [torch.log_softmax(model(torch.tensor([ids[:len(prompt) + j]])).logits[0, -1].double(), -1)[t].item()
+            for j, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_accepted_model_is_exact(zoo_dir, name):
+    path = zoo_dir(name)
+    prompts = prompts_of(PROMPT_LENGTHS)
+    model = hf_model(path)
+    expected = greedy_references(model, prompts)
+    engine = make_engine(path, block_size=8, max_batch_tokens=16, max_num_seqs=8)
+    rows = run(engine, prompts, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, logprobs_mode="raw"))
+    for i, (prompt, want) in enumerate(zip(prompts, expected)):
+        row = rows[(i, 0)]
+        assert row["token_ids"] == want, f"prompt {i} (length {len(prompt)})"
+        assert row["logprobs"] == pytest.approx(forward_logprobs(model, prompt, want), abs=1e-4), f"prompt {i}"
+    assert len({tuple(w) for w in expected}) > 1, "continuations are degenerate"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_other_model_is_refused_naming_the_feature(zoo_dir, name):
+    model_type = ZOO[name][0].model_type
+    with pytest.raises(ValueError, match=rf"model type '{model_type}'.*{REFUSED[name]}"):
+        make_engine(zoo_dir(name))
+
+
+def test_unverified_architecture_is_refused(tmp_path):
+    """A model type nobody verified is refused, even when its attention would go through ours."""
+    path = build_zoo_model("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="helium", architectures=["HeliumForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model type 'helium'.*not verified"):
+        make_engine(path)
+
+
+# ---- one test per bug of issue #12 (hybrid layers and chunked attention: the refusals above) -----------
+
+def test_longrope_sample_does_not_depend_on_its_batch(zoo_dir):
+    """A short prompt alone or beside a long one, a prompt whose decoding crosses the original length
+    (recomputed once, as `generate` does), and long prompts in chunks all equal `generate`."""
+    path = zoo_dir("phi3_longrope")
+    prompts = dict(zip(["short", "crossing", "long"], prompts_of([6, 26, 40])))
+    expected = dict(zip(prompts, greedy_references(hf_model(path), list(prompts.values()))))
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    chunked = {"max_batch_tokens": 16, "enable_prefix_caching": False}
+    for names, config in [(["short"], {}), (["short", "long", "crossing"], {}), (["long", "crossing"], chunked)]:
+        rows = run(make_engine(path, block_size=8, **config), [prompts[n] for n in names], params)
+        for i, name in enumerate(names):
+            assert rows[(i, 0)]["token_ids"] == expected[name], (name, names, config)
+            assert rows[(i, 0)]["num_preemptions"] == (name == "crossing"), (name, names, config)
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_factors_apart(zoo_dir):
+    """A long prompt sharing its first blocks with a short one does not reuse their short-factor KV."""
+    path = zoo_dir("phi3_longrope")
+    long = prompts_of([40])[0]
+    short = long[:20]
+    expected = greedy_references(hf_model(path), [short, long])
+    engine = make_engine(path, block_size=8)
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    assert run(engine, [short], params)[(0, 0)]["token_ids"] == expected[0]
+    assert run(engine, [long], params)[(0, 0)]["token_ids"] == expected[1]
+
+
+def test_paged_attention_outside_a_step_is_refused_and_leaves_the_cache_alone(zoo_dir):
+    path = zoo_dir("llama")
+    prompt = prompts_of([12])[0]
+    engine = make_engine(path, block_size=8)
+    engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    engine.step()
+    cache = engine.runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        engine.runner.model(torch.tensor([prompt[:5]]))
+    assert torch.equal(engine.runner.kv_cache, cache)
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step()
+    assert rows[0]["token_ids"] == greedy_references(hf_model(path), [prompt])[0]
+
+
+def test_model_whose_tokenizer_needs_a_missing_package_loads_for_token_ids(tmp_path):
+    pytest.importorskip("transformers.models.biogpt")
+    try:
+        import sacremoses  # noqa: F401
+        pytest.skip("sacremoses is installed")
+    except ImportError:
+        pass
+    path = build_zoo_model("llama", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BioGptTokenizer"}))
+    (tmp_path / "vocab.json").write_text(json.dumps({"<s>": 0, "</s>": 1, "a": 2}))
+    (tmp_path / "merges.txt").write_text("a a 1\n")
+    engine = make_engine(path)
+    table = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=3))
+    assert len(table.column("token_ids")[0].as_py()) == 3
+    with pytest.raises(ValueError, match="is a string but model .* has no tokenizer"):
+        engine.generate(["hello"], SamplingParams(max_new_tokens=3))

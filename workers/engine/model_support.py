@@ -1,0 +1,139 @@
+"""Which models the engine serves exactly, and the shape of their paged KV cache.
+
+A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
+against transformers `generate`) and its config uses no feature our paged attention cannot see:
+recurrent or linear-attention layers, chunked attention, ALiBi, batch-dependent RoPE. Everything else
+is refused at construction with a `ValueError` naming the model type and the feature.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import transformers
+
+from workers.engine.attention import AttentionBackend, set_backend
+from workers.engine.longrope import install_per_sequence_longrope
+
+# Model types verified exact in tests/test_model_coverage.py.
+SUPPORTED_MODEL_TYPES = frozenset({
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm", "cohere",
+    "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon",
+    "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
+# The feature that rules out a known model type, when no config field says it on its own.
+_REFUSED_MODEL_TYPES = {
+    "bloom": "ALiBi position biases", "mpt": "ALiBi position biases",
+    "gptj": _NO_ATTENTION_INTERFACE, "codegen": _NO_ATTENTION_INTERFACE, "xglm": _NO_ATTENTION_INTERFACE,
+    "gpt_neo": _NO_ATTENTION_INTERFACE, "falcon": _NO_ATTENTION_INTERFACE,
+    "mamba": "state-space (Mamba) layers", "mamba2": "state-space (Mamba) layers",
+    "jamba": "state-space (Mamba) layers", "bamba": "state-space (Mamba) layers",
+    "granitemoehybrid": "state-space (Mamba) layers",
+    "falcon_h1": "state-space (Mamba) mixers beside attention", "recurrent_gemma": "recurrent (RG-LRU) layers",
+    "gpt_oss": "attention sinks (s_aux)",
+    "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)",
+}
+
+
+class KvLayout(NamedTuple):
+    """What the paged KV cache of a model holds per token: one K and one V per layer and KV head."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def refuse(model_type: str, feature: str) -> ValueError:
+    """The error every refusal raises, naming the model type and the unsupported feature."""
+    return ValueError(f"model type {model_type!r} is not supported by the rollout engine: {feature} "
+                      "(its outputs would not match transformers)")
+
+
+def check_config(config: transformers.PretrainedConfig) -> None:
+    """Raise `ValueError` unless `config` is a model type and feature set the engine serves exactly."""
+    model_type = config.model_type
+    features = _flagged_features(config)
+    if model_type in _REFUSED_MODEL_TYPES:
+        features.append(_REFUSED_MODEL_TYPES[model_type])
+    layer_types = getattr(config, "layer_types", None) or []
+    features += [f"layer type {t!r}" for t in sorted(set(layer_types) - _ATTENTION_LAYER_TYPES, key=str)]
+    if not features and model_type not in SUPPORTED_MODEL_TYPES:
+        features.append("an architecture not verified against transformers "
+                        f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+    if features:
+        raise refuse(model_type, features[0])
+
+
+def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
+    """Config flags that mean our paged attention would silently compute something else."""
+    found = []
+    if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
+        found.append("ALiBi position biases")
+    if getattr(config, "attention_chunk_size", None):
+        found.append(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_types = {rope.get("rope_type")} if "rope_type" in rope else {
+        p.get("rope_type") for p in rope.values() if isinstance(p, dict)}
+    if "dynamic" in rope_types:
+        found.append("rope type 'dynamic', whose frequencies depend on the whole batch")
+    if "longrope" in rope_types and ("rope_type" not in rope or config.model_type != "phi3"):
+        found.append("rope type 'longrope' outside Phi-3's single rotary embedding")
+    elif "longrope" in rope_types and rope["original_max_position_embeddings"] != getattr(
+            config, "original_max_position_embeddings", None):
+        found.append("LongRoPE with two different original_max_position_embeddings")
+    return found
+
+
+def adapt_model(model: transformers.PreTrainedModel) -> KvLayout:
+    """Check what a probe forward sees of `model`'s attention, make its RoPE per sequence, and
+    return the layout of its paged cache."""
+    layout = kv_layout(model)
+    install_per_sequence_longrope(model)
+    return layout
+
+
+class _ShapeProbe(AttentionBackend):
+    """Records the layer index and q/k/v shapes of every attention call; returns zeros."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.zeros(1, 2, 1, 1, 1, 1))
+        self.calls: list[tuple[int | None, tuple, tuple]] = []
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+        """Record the call; the output's values do not matter."""
+        self.calls.append((layer, tuple(k.shape[1:]), tuple(v.shape[1:])))
+        return torch.zeros_like(q)
+
+
+@torch.inference_mode()
+def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
+    """Layers, KV heads and head size of `model`'s paged cache, from a two-token probe forward.
+
+    Raises `ValueError` unless every decoder layer calls our attention exactly once with the same
+    K and V shapes (so hybrid layers, MLA and attention outside the interface are refused).
+    """
+    probe = _ShapeProbe()
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    model_type = model.config.model_type
+    set_backend(probe)
+    try:
+        model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
+              logits_to_keep=1)
+    except NotImplementedError as err:
+        raise refuse(model_type, str(err)) from err
+    finally:
+        set_backend(None)
+    layers = [layer for layer, _, _ in probe.calls]
+    if layers != list(range(model.config.num_hidden_layers)):
+        raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
+                                 f"(layers calling paged attention: {layers})")
+    shapes = {k for _, k, _ in probe.calls} | {v for _, _, v in probe.calls}
+    if len(shapes) != 1:
+        raise refuse(model_type, f"key/value head shapes differ between layers or between K and V: {sorted(shapes)}")
+    num_kv_heads, head_dim = shapes.pop()
+    return KvLayout(len(layers), num_kv_heads, head_dim)
