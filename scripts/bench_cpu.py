@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from rollout import SamplingParams
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, model_runner, sampler
 from workers.engine.tiny_models import build_tiny_model
 
 GENERATE = "transformers generate (static batches of 4 prompts)"
@@ -118,27 +118,35 @@ OVERHEAD_CASES = {"a: 256 x 128": [(128, 256)], "b: 255 x 1k + 1 x 16k": [(1024,
                   "c: 256 x 4k": [(4096, 256)]}
 
 
-def bench_step_overhead(path: str, groups: list[tuple[int, int]], blocks: int = 5, steps: int = 20) -> float:
-    """Milliseconds per decode step spent outside the model: the model's forward is a stub returning
-    fixed logits; `groups` are (prompt length, samples) decoding together. Median over `blocks` blocks
-    of `steps` steps."""
+def bench_step_overhead(path: str, groups: list[tuple[int, int]], stub_sampler: bool, blocks: int = 5,
+                        steps: int = 20) -> float:
+    """Milliseconds per decode step with the model's forward stubbed (fixed logits), and with
+    `stub_sampler` the sampler's math too (fixed tokens): what is left is the engine's host work.
+    `groups` are (prompt length, samples) decoding together. Median over `blocks` blocks of `steps`."""
     seqs = sum(n for _, n in groups)
     longest = max(length for length, _ in groups) + blocks * steps + 40
     engine = Engine(engine_config(path, max_model_len=longest, max_num_seqs=seqs))
     logits = torch.randn(1, seqs, engine.vocab_size)
     engine.runner.model.forward = lambda *args, logits_to_keep, **kw: SimpleNamespace(
         logits=logits[:, : len(logits_to_keep)])
+    engine.runner.backend.prepare_metadata = lambda meta: None  # the attention's own work
     for length, n in groups:
         engine.add_request([2 + i % 4000 for i in range(length)],
                            SamplingParams(n=n, max_new_tokens=blocks * steps + 20, ignore_eos=True))
     while len(engine.scheduler.running) < seqs or any(s.num_generated < 2 for s in engine.scheduler.running):
         engine.step()
+    if stub_sampler:
+        tokens, logprobs = torch.arange(seqs) + 2, torch.zeros(seqs)
+        model_runner.sample = lambda logits, batch: (tokens[: len(logits)], logprobs[: len(logits)])
     times = []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        times.append((time.perf_counter() - start) / steps * 1e3)
+    try:
+        for _ in range(blocks):
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times.append((time.perf_counter() - start) / steps * 1e3)
+    finally:
+        model_runner.sample = sampler.sample
     return statistics.median(times)
 
 
@@ -194,12 +202,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "qwen3", **MODEL))
         results = rollout_rounds(path, make_prompts(args.prompts), args)
-        overhead = {name: bench_step_overhead(path, groups) for name, groups in OVERHEAD_CASES.items()}
+        overhead = {name: [bench_step_overhead(path, groups, stub) for stub in (True, False)]
+                    for name, groups in OVERHEAD_CASES.items()}
         pressure = [] if args.skip_pressure else bench_pressure(path)
     print_rollout(results, args)
-    print("\nengine host time per decode step, 256 sequences, stub model (median of 5 x 20 steps)")
-    for name, ms in overhead.items():
-        print(f"  {name:<24}{ms:>8.2f} ms")
+    print("\nms per decode step, 256 sequences, model stubbed (median of 5 x 20 steps)")
+    print(f"{'case':<26}{'host (sampler stubbed)':>24}{'with the CPU sampler':>22}")
+    for name, (host, with_sampler) in overhead.items():
+        print(f"{name:<26}{host:>24.2f}{with_sampler:>22.2f}")
     if pressure:
         print_pressure(pressure)
 

@@ -7,6 +7,7 @@ batch, and whether or not it was preempted.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,25 +15,28 @@ import torch
 
 from workers.engine.sequence import Sequence
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_M64 = 0xFFFFFFFFFFFFFFFF
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a bijective scramble of 64-bit counters."""
-    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
-    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
-    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
-    return x ^ (x >> np.uint64(31))
+def _mix(x):
+    """splitmix64 finaliser: a bijective scramble of 64-bit counters (Python ints or uint64 arrays)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
-def uniforms(seeds: np.ndarray, prompt_hashes: np.ndarray, sample_indices: np.ndarray,
-             positions: np.ndarray) -> np.ndarray:
-    """One uniform in [0, 1) per row, a pure function of its four uint64 keys."""
+@functools.lru_cache(maxsize=1 << 16)
+def sample_key(seed: int, prompt_hash: int, sample_index: int) -> int:
+    """The noise key of one sample: its seed, prompt and index mixed once, not in every step."""
+    return _mix(_mix(_mix(seed) ^ prompt_hash) ^ sample_index)
+
+
+def uniforms(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row, a pure function of its sample key and position (uint64)."""
     with np.errstate(over="ignore"):
-        h = _mix(seeds.astype(np.uint64))
-        for key in (prompt_hashes, sample_indices, positions):
-            h = _mix(h ^ key.astype(np.uint64))
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        h = _mix(keys ^ positions)
+    return (h >> 11).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass
@@ -143,21 +147,22 @@ def sampling_rows(seqs: list[Sequence]) -> list[SampleRow]:
 def sampling_arrays(rows: list[SampleRow]) -> tuple[dict[str, np.ndarray], SamplingFlags]:
     """Per-row parameters and counter-based uniforms keyed by (seed, prompt, sample, position), as
     host arrays for the step's one copy, and the flags the sampler takes its path from."""
-    params = [r.seq.group.params for r in rows]
-    keys = np.array([(r.seq.group.seed, r.seq.group.prompt_hash, r.sample_index, len(r.seq.token_ids))
-                     for r in rows], dtype=np.uint64).reshape(-1, 4)
-    temperature = np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
-    top_k = np.array([p.top_k for p in params], dtype=np.int64)
-    top_p = np.array([p.top_p for p in params], dtype=np.float32)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    raw = np.array([p.logprobs_mode == "raw" for p in params], dtype=np.bool_)
+    groups = [r.seq.group for r in rows]
+    slots: dict[int, int] = {}
+    which = np.array([slots.setdefault(id(g), len(slots)) for g in groups], np.int64)
+    unique = {id(g): g for g in groups}  # in order of first appearance, as the slots
+    values = np.array([g.sampling_values for g in unique.values()], np.float64).reshape(-1, 5)[which]
+    keys = np.array([sample_key(g.seed, g.prompt_hash, r.sample_index) for g, r in zip(groups, rows)], np.uint64)
+    positions = np.array([len(r.seq.token_ids) for r in rows], np.uint64)
+    temperature, top_p, min_p = (values[:, i].astype(np.float32) for i in (0, 2, 3))
+    top_k, raw = values[:, 1].astype(np.int64), values[:, 4] != 0
     greedy = temperature == 0
     flags = SamplingFlags(scale=bool(((temperature != 1) & ~greedy).any()), max_top_k=int(top_k.max(initial=0)),
                           top_k1=bool((top_k == 1).any()), top_p=bool((top_p < 1).any()),
                           min_p=bool((min_p > 0).any()), all_greedy=bool(greedy.all()),
                           any_greedy=bool(greedy.any()), any_raw=bool(raw.any()))
     arrays = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-              "uniform": uniforms(*keys.T), "raw_logprobs": raw}
+              "uniform": uniforms(keys, positions), "raw_logprobs": raw}
     return arrays, flags
 
 

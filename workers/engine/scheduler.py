@@ -72,21 +72,38 @@ class Scheduler:
         """Decode tokens first, then prefill chunks of running and then waiting sequences."""
         batch, budget = Batch(), self.config.max_batch_tokens
         self._recompute_rope_switches()
-        decodes = [s for s in self.running if _is_decode(s)][:budget]
-        if not self._make_room(batch, decodes):
-            decodes += self._restore(batch, decodes)[: budget - len(decodes)]
-        for seq in decodes:
-            seq.block_table += self.pool.allocate(self._blocks_needed(seq, 1))
-            batch.add(seq, 1)
+        decodes, prefills = self._split_running()
+        decodes = decodes[:budget]
+        growing = [s for s in decodes if self._blocks_needed(s, 1)]
+        if self._make_room(batch, decodes, growing):
+            prefills = self._split_running()[1]
+        else:
+            restored = self._restore(batch, len(growing))[: budget - len(decodes)]
+            decodes += restored
+            growing += [s for s in restored if self._blocks_needed(s, 1)]
+        for seq in growing:
+            seq.block_table += self.pool.allocate(1)
+        batch.seqs, batch.num_tokens = decodes, [1] * len(decodes)
         budget -= len(decodes)
         while True:
-            for seq in [s for s in self.running if s.num_uncomputed and not _is_decode(s)]:
+            for seq in prefills:
                 budget -= self._schedule_prefill(batch, seq, budget)
             if not self.offloader.offloaded:
                 budget -= self._admit(batch, budget)
             if batch.seqs or not self.running:
                 return batch
             self._preempt(self.running[-1], batch)
+            prefills = self._split_running()[1]
+
+    def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode one token, and those with prompt (or recompute) tokens left."""
+        decodes, prefills = [], []
+        for seq in self.running:
+            if _is_decode(seq):
+                decodes.append(seq)
+            elif seq.num_uncomputed:
+                prefills.append(seq)
+        return decodes, prefills
 
     def update(self, batch: Batch) -> list[Sequence]:
         """After the forward: count and register the computed tokens; returns the sequences whose
@@ -124,15 +141,15 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table))
 
-    def _make_room(self, batch: Batch, decodes: list[Sequence]) -> bool:
-        """Preempt the newest running sequences until every decode of this step gets its block;
-        victims leave `decodes`. True when anything was preempted."""
-        need = sum(self._blocks_needed(s, 1) for s in decodes)
+    def _make_room(self, batch: Batch, decodes: list[Sequence], growing: list[Sequence]) -> bool:
+        """Preempt the newest running sequences until every decode that needs a block this step
+        (`growing`) gets one; victims leave both lists. True when anything was preempted."""
         preempted = False
-        while need > self.pool.num_available:
+        while len(growing) > self.pool.num_available:
             victim = self.running[-1]
+            if victim in growing:
+                growing.remove(victim)
             if victim in decodes:
-                need -= self._blocks_needed(victim, 1)
                 decodes.remove(victim)
             self._preempt(victim, batch)
             preempted = True
@@ -152,9 +169,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.counters["recomputes"] += 1
 
-    def _restore(self, batch: Batch, decodes: list[Sequence]) -> list[Sequence]:
-        """Bring offloaded sequences back, oldest first, while they fit beside this step's decodes."""
-        spare = self.pool.num_available - sum(self._blocks_needed(s, 1) for s in decodes)
+    def _restore(self, batch: Batch, growing: int) -> list[Sequence]:
+        """Bring offloaded sequences back, oldest first, while they fit beside the `growing` decodes
+        that take a block this step."""
+        spare = self.pool.num_available - growing
         restored, offloaded = [], self.offloader.offloaded
         while offloaded and self.num_running_samples < self.config.max_num_seqs:
             seq = offloaded[0]

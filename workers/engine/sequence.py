@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from rollout.params import SamplingParams
@@ -39,6 +40,14 @@ class Group:
     prompt_hash: int
     eos_token_ids: frozenset[int]
     num_unfinished: int = 0
+
+    @functools.cached_property
+    def sampling_values(self) -> tuple[float, float, float, float, bool]:
+        """(temperature, 0 when greedy; top_k, capped at 2**31; top_p; min_p; raw logprobs), as the
+        sampler reads them each step."""
+        p = self.params
+        return (0.0 if p.greedy else p.temperature, min(p.top_k, 2**31), p.top_p, p.min_p,
+                p.logprobs_mode == "raw")
 
 
 @dataclass(eq=False)
