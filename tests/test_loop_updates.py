@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts
 from workers.loop import EngineLoop
@@ -14,7 +16,7 @@ from workers.messages import PromptGroup
 def test_finish_update_streams_rows_while_its_drain_runs(model_dir):
     """A short and a long sample run; a "finish" update drains both on the old weights. The short one's
     batch must reach its call while the long one still runs (inside the update), not after the drain."""
-    loop = EngineLoop(make_engine(model_dir("qwen3")), flush_rows=64, flush_delay_s=0.01)
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=64, flush_delay_s=0.01)
     new_weights = hf_model(model_dir("qwen3", seed=1)).state_dict()
     seen: dict[str, list] = {"short": [], "long": []}
     done = {name: threading.Event() for name in seen}
@@ -45,3 +47,27 @@ def test_finish_update_streams_rows_while_its_drain_runs(model_dir):
         row = seen[name][0][0].to_pylist()[0]
         assert (row["finish_reason"], len(row["token_ids"]), row["policy_version"]) == ("length", new, 0)
     assert loop.submit(loop.engine.stats).result()["policy_version"] == 1
+
+
+class _IdleEngine:
+    """Records the thread that built it; never has work."""
+
+    def __init__(self) -> None:
+        self.thread = threading.current_thread().name
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def test_the_engine_is_built_on_the_loop_thread_and_its_errors_reach_the_caller():
+    """One thread of a worker runs torch's parallel kernels: the engine (model load included) is built
+    on the loop thread that steps it."""
+    loop = EngineLoop(_IdleEngine, flush_rows=1, flush_delay_s=0.0)
+    assert loop.engine.thread == "engine-loop"
+    assert loop.submit(lambda: threading.current_thread().name).result(timeout=10) == "engine-loop"
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineLoop(broken, flush_rows=1, flush_delay_s=0.0)

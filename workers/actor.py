@@ -24,7 +24,7 @@ class RolloutWorker:
         from workers.engine import Engine
         from workers.weight_receiver import WeightReceiver
 
-        self.loop = EngineLoop(Engine(config.engine, worker_id=worker_id), config.flush_rows,
+        self.loop = EngineLoop(lambda: Engine(config.engine, worker_id=worker_id), config.flush_rows,
                                config.flush_delay_s)
         self.weights = WeightReceiver(self.loop)
 

@@ -28,17 +28,25 @@ class _Call:
 
 
 class EngineLoop:
-    """Drives `engine` on a daemon thread; every engine call goes through that thread (it is not thread-safe)."""
+    """Builds an engine with `make_engine` and drives it on a daemon thread; every engine call goes
+    through that thread (the engine is not thread-safe).
 
-    def __init__(self, engine: Any, flush_rows: int, flush_delay_s: float) -> None:
-        self.engine = engine
+    The engine is built on the loop thread too, so that one thread of the process runs torch's
+    parallel CPU kernels: a second thread with an OpenMP team of its own (the actor's, from loading
+    the model) makes libgomp throttle its idle spinning once its threads outnumber the cores, and every
+    parallel region of a step then waits on a futex wake-up (a step ran ~2x slower).
+    """
+
+    def __init__(self, make_engine: Callable[[], Any], flush_rows: int, flush_delay_s: float) -> None:
         self.flush_rows = flush_rows
         self.flush_delay_s = flush_delay_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[str, _Call] = {}
         self._owners: dict[str, str] = {}  # engine request id -> call id
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="engine-loop", daemon=True).start()
+        built: Future = Future()
+        threading.Thread(target=self._run, args=(make_engine, built), name="engine-loop", daemon=True).start()
+        self.engine = built.result()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run `fn(*args)` on the loop thread between two steps; the future holds its result or exception."""
@@ -84,7 +92,13 @@ class EngineLoop:
             self._owners.pop(request_id, None)
             self.engine.abort(request_id)
 
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], Any], built: Future) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as err:  # raised in the constructor's thread
+            built.set_exception(err)
+            return
+        built.set_result(self.engine)
         while True:
             busy = self._error is None and self.engine.has_unfinished()
             self._run_commands(block=not busy)

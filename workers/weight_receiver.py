@@ -6,19 +6,16 @@ for replay, and holds the worker's member of the broadcast group. Ray-free: obje
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rollout.params import WeightSource
 from workers.loop import EngineLoop
 from workers.messages import TensorMeta, WeightGroup, WeightUpdate
 from workers.weight_format import empty_bucket, from_numpy, meta_state, to_numpy, unpack
 from workers.weight_group import broadcast, group_device, join_store, open_group
-
-if TYPE_CHECKING:
-    from workers.engine.weights import WeightSource
 
 
 class WeightReceiver:
