@@ -10,12 +10,13 @@ from typing import Callable
 import torch
 import transformers
 
+from rollout import config
 from rollout.config import EngineConfig
 from workers.engine.sequence import cdiv
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}
 CPU_KV_SHARE = 0.2  # of the memory available at start, for the default CPU KV cache
 CPU_KV_CAP_GIB = 4.0  # so that two default workers sit comfortably on a 24 GiB machine
 

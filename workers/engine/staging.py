@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from workers.engine.memory import pinned_empty
+from workers.engine.sequence import cdiv
 
 _ALIGN = 8  # every array starts at a multiple of the largest element size, so device views are aligned
 
@@ -43,7 +44,7 @@ class Staging:
         offsets, end = {}, 0
         for name, array in arrays.items():
             offsets[name] = end
-            end += -(-array.nbytes // _ALIGN) * _ALIGN
+            end += cdiv(array.nbytes, _ALIGN) * _ALIGN
         self._reserve(end)
         host = dev = self.host[self.turn]
         if self.cuda:

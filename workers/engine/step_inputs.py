@@ -9,7 +9,7 @@ import torch
 
 from workers.engine.block_table import BlockTables
 from workers.engine.sampler import SampleRow, SamplingFlags, sampling_arrays, sampling_rows
-from workers.engine.sequence import Sequence
+from workers.engine.sequence import Sequence, cdiv
 
 
 @dataclass
@@ -57,7 +57,7 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables) 
 def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
     """A synthetic step: one sequence of `num_tokens` prompt tokens over blocks 0, 1, ..., and
     `num_rows` sampling rows with every filter on (the sampler's most memory-hungry path)."""
-    width = -(-num_tokens // block_size)
+    width = cdiv(num_tokens, block_size)
     keep = np.arange(max(0, num_tokens - num_rows), num_tokens, dtype=np.int64)
     uniform = np.linspace(0, 1, num_rows, endpoint=False)
     full = np.ones(num_rows)

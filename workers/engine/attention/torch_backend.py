@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.sequence import cdiv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -22,7 +23,7 @@ class _Group:
     def __init__(self, meta: AttentionMetadata, rows: torch.Tensor, block_size: int) -> None:
         q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1])[rows].long()
         k_lens = meta.seq_lens[rows].long()
-        num_blocks = -(-int(k_lens.max()) // block_size)
+        num_blocks = cdiv(int(k_lens.max()), block_size)
         q_ar = torch.arange(int(q_lens.max()), device=rows.device)
         k_ar = torch.arange(num_blocks * block_size, device=rows.device)
         self.q_valid = q_ar[None, :] < q_lens[:, None]
@@ -89,7 +90,7 @@ class TorchBackend(AttentionBackend):
 
     def _rows_per_group(self, max_seq_len: int) -> int:
         per_token = self.kv_cache[0, 0, 0, 0].numel() * self.kv_cache.element_size()
-        per_row = -(-max_seq_len // self.block_size) * self.block_size * per_token
+        per_row = cdiv(max_seq_len, self.block_size) * self.block_size * per_token
         return max(1, self.chunk_bytes // per_row)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
