@@ -17,7 +17,7 @@ from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
-from workers.engine.sampler import SampleRow, SamplingBatch, sample, sampling_batch
+from workers.engine.sampler import SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
@@ -43,13 +43,14 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
 
 @dataclass
 class StepInputs:
-    """A step's device inputs, and the sampling rows (one per sample of each sequence that samples)."""
+    """A step's device inputs, and how many sampling rows it has (one per sample of each sequence that
+    samples)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     keep: torch.Tensor
-    rows: list[SampleRow]
+    num_rows: int
     sampling: SamplingBatch
     logits_rows: torch.Tensor | None  # which kept row each sampling row reads, when forks repeat rows
 
@@ -119,11 +120,7 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device, sent in one copy; block-table rows synced first."""
-        plan = plan_step(seqs, num_tokens, self.tables)
-        if self.rope_switch_length is not None:
-            lengths = np.array([len(seq.token_ids) for seq in seqs], np.int64)
-            plan.arrays["token_lengths"] = np.repeat(lengths, num_tokens)
-        return self._send(plan)
+        return self._send(plan_step(seqs, num_tokens, self.tables, self.rope_switch_length is not None))
 
     def _send(self, plan: StepPlan) -> StepInputs:
         t = self.staging.send(plan.arrays)
@@ -136,7 +133,7 @@ class ModelRunner:
         logits_rows = t["logits_rows"] if plan.expand else None
         if "token_lengths" in t:
             set_rope_step(self.model, t["token_lengths"])
-        return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.rows,
+        return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.num_rows,
                           sampling_batch(t, plan.flags), logits_rows)
 
     @torch.inference_mode()
@@ -165,7 +162,7 @@ class ModelRunner:
         sampling row (every wanted sample of each sequence that reaches its end)."""
         inputs = self.prepare(seqs, num_tokens)
         logits = self.forward(inputs)
-        return self.sample(logits, inputs) if inputs.rows else ([], [])
+        return self.sample(logits, inputs) if inputs.num_rows else ([], [])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer, in one indexed copy."""

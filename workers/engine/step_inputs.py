@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from workers.engine.block_table import BlockTables
-from workers.engine.sampler import SampleRow, SamplingFlags, sampling_arrays, sampling_rows
+from workers.engine.sampler import SamplingFlags, sampling_arrays, sampling_rows
 from workers.engine.sequence import Sequence, cdiv
 
 
@@ -19,7 +19,7 @@ class StepPlan:
 
     arrays: dict[str, np.ndarray]
     flags: SamplingFlags
-    rows: list[SampleRow]
+    num_rows: int  # sampling rows: one per wanted sample of each sequence that reaches its end
     width: int
     max_seqlen_q: int
     max_seqlen_k: int
@@ -27,9 +27,11 @@ class StepPlan:
     tables: torch.Tensor | None = None  # block tables of a synthetic step (profile, warm-up)
 
 
-def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables) -> StepPlan:
+def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables,
+              token_lengths: bool = False) -> StepPlan:
     """Ids, positions, cache slots, `cu_seqlens_q`, `seq_lens`, table rows, kept rows and sampling
-    parameters of `num_tokens[i]` new tokens of each `seqs[i]`."""
+    parameters of `num_tokens[i]` new tokens of each `seqs[i]`; with `token_lengths`, also the full
+    length of each packed token's sequence (per-sequence LongRoPE)."""
     rows = np.array([tables.sync(seq) for seq in seqs], np.int64)
     counts = np.array(num_tokens, np.int64)
     starts = np.array([seq.num_computed_tokens for seq in seqs], np.int64)
@@ -40,7 +42,8 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables) 
     bs = tables.block_size
     slots = tables.array[np.repeat(rows, counts), positions // bs].astype(np.int64) * bs + positions % bs
     seq_lens = starts + counts
-    ends = seq_lens == np.array([len(seq.token_ids) for seq in seqs])
+    lengths = np.array([len(seq.token_ids) for seq in seqs], np.int64)
+    ends = seq_lens == lengths
     sampled = [seq for seq, end in zip(seqs, ends) if end]
     sample_rows = sampling_rows(sampled)
     sampling, flags = sampling_arrays(sample_rows)
@@ -49,8 +52,10 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables) 
               "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32), "rows": rows,
               "keep": cu[1:][ends] - 1, "logits_rows": np.array([r.logits_row for r in sample_rows], np.int64),
               "table_cells": cells, "table_values": values, **sampling}
+    if token_lengths:
+        arrays["token_lengths"] = np.repeat(lengths, counts)
     width = max(len(seq.block_table) for seq in seqs)
-    return StepPlan(arrays, flags, sample_rows, width, int(counts.max()), int(seq_lens.max()),
+    return StepPlan(arrays, flags, len(sample_rows), width, int(counts.max()), int(seq_lens.max()),
                     expand=len(sample_rows) != len(sampled))
 
 
@@ -72,4 +77,4 @@ def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
     flags = SamplingFlags(scale=True, max_top_k=50, top_k1=False, top_p=True, min_p=True, all_greedy=False,
                           any_greedy=False, any_raw=False)
     tables = torch.arange(width, dtype=torch.int32)[None]
-    return StepPlan(arrays, flags, [], width, num_tokens, num_tokens, expand=True, tables=tables)
+    return StepPlan(arrays, flags, num_rows, width, num_tokens, num_tokens, expand=True, tables=tables)
