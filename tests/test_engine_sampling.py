@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -9,7 +10,7 @@ from scipy.stats import chisquare
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts, run
 from tests.test_engine_parity import exact_distribution, reference_logprobs
-from workers.engine.sampler import SampleRow, sample, sampling_arrays, sampling_batch
+from workers.engine.sampler import expanded_rows, sample, sampling_arrays, sampling_batch
 from workers.engine.sequence import Group, Sequence
 
 
@@ -127,12 +128,12 @@ def test_top_k_1_is_exactly_greedy_on_tied_logits():
     distribution's logprob 0, whatever the row's uniform number."""
     logits = torch.zeros(64, 8)
     logits[:, [2, 5]] = 3.0
-    rows = [SampleRow(seq, i, 0) for i, seq in enumerate([_seq(SamplingParams(top_k=1, seed=s)) for s in range(64)])]
-    arrays, flags = sampling_arrays(rows)
+    values, keys, _ = expanded_rows([_seq(SamplingParams(top_k=1, seed=s)) for s in range(64)])
+    arrays, flags = sampling_arrays(values, keys, np.arange(64))
     tokens, logprobs = sample(logits, sampling_batch({k: torch.from_numpy(v) for k, v in arrays.items()}, flags))
     assert tokens.tolist() == [2] * 64 and logprobs.tolist() == [0.0] * 64
 
 
 def _seq(params: SamplingParams) -> Sequence:
-    group = Group("r", 0, [1, 2], params, params.seed, 0, frozenset(), 1)
+    group = Group("r", 0, [1, 2], params, params.seed, 0, frozenset(), 64, 1)
     return Sequence(group, [0], [1, 2])

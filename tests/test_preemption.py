@@ -107,7 +107,7 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
     pool = BlockPool(7, 2)
     offloader = Offloader(pool, BlockTables(4, 4, 2, pin=False), CpuPool(torch.zeros(1, 2, 7, 2, 1, 1), gib=1e-6))
     tokens = [11, 12, 13, 14, 15, 16, 17]
-    group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 1)
+    group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 64, 1)
     seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)
     seq.block_table = pool.allocate(3)
     for i in range(3):

@@ -13,16 +13,17 @@ class BlockTables:
     """`[max_num_seqs, max_blocks_per_seq]` int32 block ids, kept on the host (a pinned mirror on CUDA).
 
     A sequence takes a row when it first runs in a step and gives it back when it loses its blocks
-    (preempted, offloaded, finished). Between those, its blocks only grow, so `sync` writes the new
-    tail and records the changed cells; the model runner applies them to its device copy. Cells past
-    a sequence's own blocks keep old ids and are never read: every kernel stops at `seq_lens`.
+    (preempted, offloaded, finished). Between those, its blocks only grow, so `sync` writes only the
+    new tail of the rows whose sequence gained blocks, and records the changed cells; the model runner
+    applies them to its device copy. Cells past a sequence's own blocks keep old ids and are never
+    read: every kernel stops at `seq_lens`.
     """
 
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, pin: bool) -> None:
         self.block_size = block_size
         self.host = pinned_empty((max_rows, max_blocks), torch.int32, pin).zero_()
         self.array = self.host.numpy()
-        self.written = [0] * max_rows
+        self.written = np.zeros(max_rows, np.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.changed: list[np.ndarray] = []
 
@@ -31,18 +32,28 @@ class BlockTables:
         """Columns of the table: blocks of a `max_model_len` sequence."""
         return self.array.shape[1]
 
-    def sync(self, seq: Sequence) -> int:
-        """The row of `seq`, taking a free one on its first step, with its new blocks written in."""
-        if seq.row < 0:
-            if not self.free_rows:
-                raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
-            seq.row = self.free_rows.pop()
+    def sync(self, seqs: list[Sequence]) -> tuple[np.ndarray, int, list[Sequence]]:
+        """The rows of `seqs`, a free one taken on a sequence's first step, with new blocks written in;
+        also the widest of those rows and the sequences that took their row now."""
+        lengths = np.array([len(seq.block_table) for seq in seqs], np.int64)
+        rows = np.array([seq.row for seq in seqs], np.int64)
+        new = []
+        for i in np.flatnonzero((rows < 0) | (self.written[rows] != lengths)).tolist():
+            seq = seqs[i]
+            if seq.row < 0:
+                if not self.free_rows:
+                    raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
+                seq.row = self.free_rows.pop()
+                new.append(seq)
+            self._write(seq)
+            rows[i] = seq.row
+        return rows, int(lengths.max()), new
+
+    def _write(self, seq: Sequence) -> None:
         row, start, end = seq.row, self.written[seq.row], len(seq.block_table)
-        if end > start:
-            self.array[row, start:end] = seq.block_table[start:end]
-            self.changed.append(np.arange(row * self.max_blocks + start, row * self.max_blocks + end))
-            self.written[row] = end
-        return row
+        self.array[row, start:end] = seq.block_table[start:end]
+        self.changed.append(np.arange(row * self.max_blocks + start, row * self.max_blocks + end))
+        self.written[row] = end
 
     def release(self, seq: Sequence) -> None:
         """Give the row of `seq` back (it no longer holds blocks)."""

@@ -72,7 +72,8 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, len(indices))
+        max_length = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, max_length, len(indices))
         self.groups[request_id] = group
         self.scheduler.add(Sequence(group, indices, list(ids)))
         return request_id
@@ -151,20 +152,23 @@ class Engine:
 
     def _append_samples(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[dict]:
         """Append each sampled token to its sequence (one per sampling row, forks split), check stops."""
-        finished = []
+        finished, version = [], self.policy_version
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
-            seq.versions.append(self.policy_version)
-            reason = self._stop_reason(seq, token)
-            if reason:
+            seq.versions.append(version)
+            group = seq.group
+            if token in group.stop_token_ids or len(seq.token_ids) >= group.max_length:
                 self.scheduler.finish(seq)
+                reason = "stop" if token in group.stop_token_ids else "length"
                 finished.append(self._row(seq, seq.sample_indices[0], reason))
         return finished
 
     def _fork(self, seqs: list[Sequence]) -> list[Sequence]:
         """Split every unforked sequence into one sequence per sample index; returns the sequences
         in the order of their sampling rows."""
+        if all(len(seq.sample_indices) == 1 for seq in seqs):
+            return seqs
         out, copies = [], []
         for seq in seqs:
             out.append(seq)
@@ -178,14 +182,6 @@ class Engine:
             out += children
         self.runner.copy_blocks(copies)
         return out
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        group = seq.group
-        if token in group.eos_token_ids or token in group.params.stop_token_ids:
-            return "stop"
-        if seq.num_generated >= group.params.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
 
     def _row(self, seq: Sequence, sample_index: int, reason: str) -> dict:
         group = seq.group

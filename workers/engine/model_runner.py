@@ -17,7 +17,7 @@ from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
-from workers.engine.sampler import SamplingBatch, sample, sampling_batch
+from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
@@ -71,6 +71,7 @@ class ModelRunner:
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
                                   config.block_size, pin=self.device.type == "cuda")
+        self.row_params = RowParams(config.max_num_seqs)
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.num_blocks = self._size_cache()
@@ -120,7 +121,8 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
         """The step's inputs on the device, sent in one copy; block-table rows synced first."""
-        return self._send(plan_step(seqs, num_tokens, self.tables, self.rope_switch_length is not None))
+        return self._send(plan_step(seqs, num_tokens, self.tables, self.row_params,
+                                    self.rope_switch_length is not None))
 
     def _send(self, plan: StepPlan) -> StepInputs:
         t = self.staging.send(plan.arrays)
@@ -155,7 +157,7 @@ class ModelRunner:
             logits = logits.index_select(0, inputs.logits_rows)
         tokens, logprobs = sample(logits, inputs.sampling)
         host = torch.stack([tokens.double(), logprobs.double()]).cpu()
-        return [int(t) for t in host[0].tolist()], host[1].tolist()
+        return host[0].long().tolist(), host[1].tolist()
 
     def run(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[float]]:
         """Compute `num_tokens[i]` new tokens of each sequence; a token and its logprob for each

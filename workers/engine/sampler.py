@@ -130,40 +130,52 @@ def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return (logits.gather(1, tokens[:, None]) - torch.logsumexp(logits, dim=-1, keepdim=True))[:, 0]
 
 
-@dataclass
-class SampleRow:
-    """One token to draw: for `sample_index` of `seq`, from row `logits_row` of the step's logits."""
+class RowParams:
+    """Each block-table row's sampling values and noise key, written when a sequence takes the row:
+    a step whose sequences are all single samples gathers them by row instead of reading each one."""
 
-    seq: Sequence
-    sample_index: int
-    logits_row: int
+    def __init__(self, max_rows: int) -> None:
+        self.values = np.zeros((max_rows, 5))
+        self.keys = np.zeros(max_rows, np.uint64)
+
+    def write(self, seq: Sequence) -> None:
+        """Record the parameters of `seq` (of its first sample: an unforked prompt keeps that one)."""
+        group = seq.group
+        self.values[seq.row] = group.sampling_values
+        self.keys[seq.row] = sample_key(group.seed, group.prompt_hash, seq.sample_indices[0])
 
 
-def sampling_rows(seqs: list[Sequence]) -> list[SampleRow]:
-    """A row per wanted sample of each sequence whose logits were computed (forks share a row)."""
-    return [SampleRow(seq, index, i) for i, seq in enumerate(seqs) for index in seq.sample_indices]
+def expanded_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values, noise keys and logits row of each wanted sample of each of `seqs` (an unforked prompt
+    has one row per sample, all reading its logits)."""
+    rows = [(i, seq, index) for i, seq in enumerate(seqs) for index in seq.sample_indices]
+    values = np.array([seq.group.sampling_values for _, seq, _ in rows], np.float64).reshape(-1, 5)
+    keys = np.array([sample_key(seq.group.seed, seq.group.prompt_hash, index) for _, seq, index in rows],
+                    np.uint64)
+    return values, keys, np.array([i for i, _, _ in rows], np.int64)
 
 
-def sampling_arrays(rows: list[SampleRow]) -> tuple[dict[str, np.ndarray], SamplingFlags]:
-    """Per-row parameters and counter-based uniforms keyed by (seed, prompt, sample, position), as
-    host arrays for the step's one copy, and the flags the sampler takes its path from."""
-    groups = [r.seq.group for r in rows]
-    slots: dict[int, int] = {}
-    which = np.array([slots.setdefault(id(g), len(slots)) for g in groups], np.int64)
-    unique = {id(g): g for g in groups}  # in order of first appearance, as the slots
-    values = np.array([g.sampling_values for g in unique.values()], np.float64).reshape(-1, 5)[which]
-    keys = np.array([sample_key(g.seed, g.prompt_hash, r.sample_index) for g, r in zip(groups, rows)], np.uint64)
-    positions = np.array([len(r.seq.token_ids) for r in rows], np.uint64)
-    temperature, top_p, min_p = (values[:, i].astype(np.float32) for i in (0, 2, 3))
-    top_k, raw = values[:, 1].astype(np.int64), values[:, 4] != 0
-    greedy = temperature == 0
-    flags = SamplingFlags(scale=bool(((temperature != 1) & ~greedy).any()), max_top_k=int(top_k.max(initial=0)),
-                          top_k1=bool((top_k == 1).any()), top_p=bool((top_p < 1).any()),
-                          min_p=bool((min_p > 0).any()), all_greedy=bool(greedy.all()),
-                          any_greedy=bool(greedy.any()), any_raw=bool(raw.any()))
-    arrays = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-              "uniform": uniforms(keys, positions), "raw_logprobs": raw}
-    return arrays, flags
+def sampling_arrays(values: np.ndarray, keys: np.ndarray,
+                    positions: np.ndarray) -> tuple[dict[str, np.ndarray], SamplingFlags]:
+    """Per-row parameters (`values` as in `Group.sampling_values`) and counter-based uniforms keyed by
+    (sample key, position), as host arrays for the step's one copy, and the flags the sampler takes
+    its path from."""
+    arrays = {"temperature": values[:, 0].astype(np.float32), "top_k": values[:, 1].astype(np.int64),
+              "top_p": values[:, 2].astype(np.float32), "min_p": values[:, 3].astype(np.float32),
+              "uniform": uniforms(keys, positions.astype(np.uint64)), "raw_logprobs": values[:, 4] != 0}
+    return arrays, _flags(values)
+
+
+def _flags(values: np.ndarray) -> SamplingFlags:
+    """The flags of rows `values`, from their distinct parameter sets (usually one per step)."""
+    uniform = values.size == 0 or bool((values == values[0]).all())
+    distinct = set(map(tuple, (values[:1] if uniform else values).tolist()))
+    greedy = [v[0] == 0 for v in distinct]
+    return SamplingFlags(scale=any(v[0] not in (0, 1) for v in distinct),
+                         max_top_k=int(max((v[1] for v in distinct), default=0)),
+                         top_k1=any(v[1] == 1 for v in distinct), top_p=any(v[2] < 1 for v in distinct),
+                         min_p=any(v[3] > 0 for v in distinct), all_greedy=all(greedy), any_greedy=any(greedy),
+                         any_raw=any(v[4] != 0 for v in distinct))
 
 
 def sampling_batch(tensors: dict[str, torch.Tensor], flags: SamplingFlags) -> SamplingBatch:

@@ -74,13 +74,13 @@ class Scheduler:
         self._recompute_rope_switches()
         decodes, prefills = self._split_running()
         decodes = decodes[:budget]
-        growing = [s for s in decodes if self._blocks_needed(s, 1)]
+        growing = _growing(decodes, self.block_size)
         if self._make_room(batch, decodes, growing):
             prefills = self._split_running()[1]
         else:
             restored = self._restore(batch, len(growing))[: budget - len(decodes)]
             decodes += restored
-            growing += [s for s in restored if self._blocks_needed(s, 1)]
+            growing += _growing(restored, self.block_size)
         for seq in growing:
             seq.block_table += self.pool.allocate(1)
         batch.seqs, batch.num_tokens = decodes, [1] * len(decodes)
@@ -96,24 +96,29 @@ class Scheduler:
             prefills = self._split_running()[1]
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The running sequences that decode one token, and those with prompt (or recompute) tokens left."""
+        """The running sequences that decode one token (samples with one token left: a prompt's last
+        token goes through prefill, which reserves the blocks of its fork), and those with prompt (or
+        recompute) tokens left."""
         decodes, prefills = [], []
         for seq in self.running:
-            if _is_decode(seq):
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left == 1 and len(seq.sample_indices) == 1:
                 decodes.append(seq)
-            elif seq.num_uncomputed:
+            elif left:
                 prefills.append(seq)
         return decodes, prefills
 
     def update(self, batch: Batch) -> list[Sequence]:
         """After the forward: count and register the computed tokens; returns the sequences whose
         logits were computed (they sample a token)."""
-        done = []
+        done, counters, bs = [], self.counters, self.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.counters[_token_kind(seq)] += n
-            seq.num_computed_tokens += n
-            self.pool.register_blocks(seq)
-            if seq.num_uncomputed == 0:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            length = len(seq.token_ids)
+            counters[_token_kind(seq, n == 1 and computed == length)] += n
+            if computed >= (len(seq.block_hashes) + 1) * bs:
+                self.pool.register_blocks(seq)
+            if computed == length:
                 done.append(seq)
         return done
 
@@ -286,14 +291,14 @@ class Scheduler:
         self.tables.check(seqs)
 
 
-def _is_decode(seq: Sequence) -> bool:
-    """One token left to compute, by a sample: a prompt's last token goes through prefill, which
-    reserves the blocks of its fork."""
-    return seq.num_uncomputed == 1 and seq.is_forked
+def _growing(decodes: list[Sequence], block_size: int) -> list[Sequence]:
+    """The decoding sequences whose next token starts a new block."""
+    return [seq for seq in decodes if seq.num_computed_tokens >= len(seq.block_table) * block_size]
 
 
-def _token_kind(seq: Sequence) -> str:
-    """Which counter a computed token goes to: prompt prefill, decode, or recompute after preemption."""
-    if seq.num_uncomputed == 1 and seq.num_generated > 0:
+def _token_kind(seq: Sequence, last: bool) -> str:
+    """Which counter computed tokens go to: a sample's `last` token is a decode; other tokens are prompt
+    prefill, or recompute after a preemption."""
+    if last and len(seq.token_ids) > seq.num_prompt_tokens:
         return "decode_tokens"
     return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"

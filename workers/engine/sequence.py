@@ -39,7 +39,13 @@ class Group:
     seed: int
     prompt_hash: int
     eos_token_ids: frozenset[int]
+    max_length: int  # a sample ends when it holds this many tokens (max_new_tokens, or the model's limit)
     num_unfinished: int = 0
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end a sample: the model's eos (unless ignored) and the request's stop tokens."""
+        return self.eos_token_ids | frozenset(self.params.stop_token_ids)
 
     @functools.cached_property
     def sampling_values(self) -> tuple[float, float, float, float, bool]:
@@ -74,10 +80,8 @@ class Sequence:
     cpu_blocks: list[int] = field(default_factory=list)
     row: int = -1
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Length of the prompt this sequence continues."""
-        return len(self.group.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.group.prompt_token_ids)  # read every step: a plain attribute
 
     @property
     def num_generated(self) -> int:

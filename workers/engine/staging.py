@@ -15,8 +15,8 @@ class Staging:
     """A host buffer (pinned on CUDA) that packs a step's small arrays for one non-blocking copy.
 
     Two buffers are used in turn, and a buffer is refilled only after the copy that last read it has
-    completed, so filling step t+1's inputs never races step t's transfer. On the CPU the packed
-    host buffer is itself the result: no copy at all.
+    completed, so filling step t+1's inputs never races step t's transfer. On the CPU the arrays
+    themselves are the result (shared, not copied): every step plans fresh arrays.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -41,6 +41,8 @@ class Staging:
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Device tensors with the values and dtypes of `arrays`, after one host-to-device copy."""
+        if not self.cuda:
+            return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
         offsets, end = {}, 0
         for name, array in arrays.items():
             offsets[name] = end

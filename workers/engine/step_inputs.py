@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from workers.engine.block_table import BlockTables
-from workers.engine.sampler import SamplingFlags, sampling_arrays, sampling_rows
+from workers.engine.sampler import RowParams, SamplingFlags, expanded_rows, sampling_arrays
 from workers.engine.sequence import Sequence, cdiv
 
 
@@ -27,36 +27,49 @@ class StepPlan:
     tables: torch.Tensor | None = None  # block tables of a synthetic step (profile, warm-up)
 
 
-def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables,
+def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, params: RowParams,
               token_lengths: bool = False) -> StepPlan:
     """Ids, positions, cache slots, `cu_seqlens_q`, `seq_lens`, table rows, kept rows and sampling
     parameters of `num_tokens[i]` new tokens of each `seqs[i]`; with `token_lengths`, also the full
     length of each packed token's sequence (per-sequence LongRoPE)."""
-    rows = np.array([tables.sync(seq) for seq in seqs], np.int64)
+    rows, width, new = tables.sync(seqs)
+    for seq in new:
+        params.write(seq)
     counts = np.array(num_tokens, np.int64)
     starts = np.array([seq.num_computed_tokens for seq in seqs], np.int64)
-    ids = [t for seq, a, n in zip(seqs, starts.tolist(), num_tokens) for t in seq.token_ids[a:a + n]]
+    lengths = np.array([len(seq.token_ids) for seq in seqs], np.int64)
     cu = np.zeros(len(seqs) + 1, np.int64)
     np.cumsum(counts, out=cu[1:])
     positions = np.repeat(starts - cu[:-1], counts) + np.arange(cu[-1])
     bs = tables.block_size
     slots = tables.array[np.repeat(rows, counts), positions // bs].astype(np.int64) * bs + positions % bs
     seq_lens = starts + counts
-    lengths = np.array([len(seq.token_ids) for seq in seqs], np.int64)
-    ends = seq_lens == lengths
-    sampled = [seq for seq, end in zip(seqs, ends) if end]
-    sample_rows = sampling_rows(sampled)
-    sampling, flags = sampling_arrays(sample_rows)
-    cells, values = tables.take_changes()
-    arrays = {"ids": np.array(ids, np.int64), "positions": positions, "slots": slots,
-              "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32), "rows": rows,
-              "keep": cu[1:][ends] - 1, "logits_rows": np.array([r.logits_row for r in sample_rows], np.int64),
-              "table_cells": cells, "table_values": values, **sampling}
+    ends = np.flatnonzero(seq_lens == lengths)
+    unforked = [seqs[i] for i in ends.tolist() if len(seqs[i].sample_indices) > 1]
+    if unforked:
+        values, keys, logits_rows = expanded_rows([seqs[i] for i in ends.tolist()])
+        positions_of_rows = lengths[ends][logits_rows]
+    else:
+        values, keys, logits_rows = params.values[rows[ends]], params.keys[rows[ends]], np.arange(ends.size)
+        positions_of_rows = lengths[ends]
+    sampling, flags = sampling_arrays(values, keys, positions_of_rows)
+    cells, table_values = tables.take_changes()
+    arrays = {"ids": np.array(_token_ids(seqs, starts, num_tokens, cu), np.int64), "positions": positions,
+              "slots": slots, "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
+              "rows": rows, "keep": cu[1:][ends] - 1, "logits_rows": logits_rows, "table_cells": cells,
+              "table_values": table_values, **sampling}
     if token_lengths:
         arrays["token_lengths"] = np.repeat(lengths, counts)
-    width = max(len(seq.block_table) for seq in seqs)
-    return StepPlan(arrays, flags, len(sample_rows), width, int(counts.max()), int(seq_lens.max()),
-                    expand=len(sample_rows) != len(sampled))
+    return StepPlan(arrays, flags, logits_rows.size, width, int(counts.max()), int(seq_lens.max()),
+                    expand=bool(unforked))
+
+
+def _token_ids(seqs: list[Sequence], starts: np.ndarray, num_tokens: list[int], cu: np.ndarray) -> list[int]:
+    """The tokens each sequence computes this step, packed (one read per sequence when all decode)."""
+    starts = starts.tolist()
+    if cu[-1] == len(seqs):
+        return [seq.token_ids[start] for seq, start in zip(seqs, starts)]
+    return [t for seq, a, n in zip(seqs, starts, num_tokens) for t in seq.token_ids[a:a + n]]
 
 
 def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
