@@ -25,7 +25,7 @@ class BlockTables:
         self.array = self.host.numpy()
         self.written = np.zeros(max_rows, np.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.changed: list[np.ndarray] = []
+        self.changed: list[int] = []
 
     @property
     def max_blocks(self) -> int:
@@ -37,23 +37,24 @@ class BlockTables:
         also the widest of those rows and the sequences that took their row now."""
         lengths = np.array([len(seq.block_table) for seq in seqs], np.int64)
         rows = np.array([seq.row for seq in seqs], np.int64)
-        new = []
-        for i in np.flatnonzero((rows < 0) | (self.written[rows] != lengths)).tolist():
+        stale = np.flatnonzero((rows < 0) | (self.written[rows] != lengths)).tolist()
+        new = [seqs[i] for i in stale if seqs[i].row < 0]
+        if len(new) > len(self.free_rows):
+            raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
+        for seq in new:
+            seq.row = self.free_rows.pop()
+        cells, values = [], []
+        for i in stale:
             seq = seqs[i]
-            if seq.row < 0:
-                if not self.free_rows:
-                    raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
-                seq.row = self.free_rows.pop()
-                new.append(seq)
-            self._write(seq)
-            rows[i] = seq.row
+            row = rows[i] = seq.row
+            start = int(self.written[row])
+            cells += range(row * self.max_blocks + start, row * self.max_blocks + len(seq.block_table))
+            values += seq.block_table[start:]
+            self.written[row] = len(seq.block_table)
+        if cells:
+            self.array.reshape(-1)[cells] = values
+            self.changed += cells
         return rows, int(lengths.max()), new
-
-    def _write(self, seq: Sequence) -> None:
-        row, start, end = seq.row, self.written[seq.row], len(seq.block_table)
-        self.array[row, start:end] = seq.block_table[start:end]
-        self.changed.append(np.arange(row * self.max_blocks + start, row * self.max_blocks + end))
-        self.written[row] = end
 
     def release(self, seq: Sequence) -> None:
         """Give the row of `seq` back (it no longer holds blocks)."""
@@ -64,9 +65,7 @@ class BlockTables:
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat cell indices written since the last call, and their block ids."""
-        if not self.changed:
-            return np.zeros(0, np.int64), np.zeros(0, np.int32)
-        cells = np.concatenate(self.changed)
+        cells = np.array(self.changed, np.int64)
         self.changed = []
         return cells, self.array.reshape(-1)[cells]
 

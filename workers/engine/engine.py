@@ -167,7 +167,7 @@ class Engine:
     def _fork(self, seqs: list[Sequence]) -> list[Sequence]:
         """Split every unforked sequence into one sequence per sample index; returns the sequences
         in the order of their sampling rows."""
-        if all(len(seq.sample_indices) == 1 for seq in seqs):
+        if not [seq for seq in seqs if len(seq.sample_indices) > 1]:
             return seqs
         out, copies = [], []
         for seq in seqs:

@@ -109,17 +109,22 @@ class Scheduler:
         return decodes, prefills
 
     def update(self, batch: Batch) -> list[Sequence]:
-        """After the forward: count and register the computed tokens; returns the sequences whose
-        logits were computed (they sample a token)."""
-        done, counters, bs = [], self.counters, self.block_size
+        """After the forward: count the computed tokens (a sample's last token is a decode; other
+        tokens are prompt prefill, or recompute after a preemption) and register completed blocks;
+        returns the sequences whose logits were computed (they sample a token)."""
+        done, counters, bs, decodes = [], self.counters, self.block_size, 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             length = len(seq.token_ids)
-            counters[_token_kind(seq, n == 1 and computed == length)] += n
+            if n == 1 and computed == length and length > seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                counters["recomputed_tokens" if seq.num_preemptions else "prefill_tokens"] += n
             if computed >= (len(seq.block_hashes) + 1) * bs:
                 self.pool.register_blocks(seq)
             if computed == length:
                 done.append(seq)
+        counters["decode_tokens"] += decodes
         return done
 
     def _recompute_rope_switches(self) -> None:
@@ -294,11 +299,3 @@ class Scheduler:
 def _growing(decodes: list[Sequence], block_size: int) -> list[Sequence]:
     """The decoding sequences whose next token starts a new block."""
     return [seq for seq in decodes if seq.num_computed_tokens >= len(seq.block_table) * block_size]
-
-
-def _token_kind(seq: Sequence, last: bool) -> str:
-    """Which counter computed tokens go to: a sample's `last` token is a decode; other tokens are prompt
-    prefill, or recompute after a preemption."""
-    if last and len(seq.token_ids) > seq.num_prompt_tokens:
-        return "decode_tokens"
-    return "recomputed_tokens" if seq.num_preemptions else "prefill_tokens"
