@@ -35,7 +35,7 @@ class Engine:
         self.vocab_size = self.runner.model.config.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = _load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
@@ -244,10 +244,10 @@ def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
-def _load_tokenizer(model_dir: str):
-    """The model's tokenizer, or None when it has none or it needs a package that is not installed:
-    token-id prompts still work, string prompts are then refused."""
+def _load_tokenizer(config: EngineConfig):
+    """The model's tokenizer, or None when it has none, it needs a package that is not installed or
+    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(model_dir)
+        return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError):
         return None
