@@ -60,19 +60,27 @@ def listening(process: psutil.Process) -> list[tuple[str, int]]:
             if c.status == psutil.CONN_LISTEN or (c.type == 2 and c.laddr)]
 
 
-def test_every_process_of_the_local_ray_listens_on_loopback_only(service):
-    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+def listeners_of_this_process_tree() -> dict[str, list[tuple[str, int]]]:
+    """The listening sockets of this process and every process below it (Ray's daemons and workers)."""
     sockets = {}
-    for process in processes:
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
             sockets[f"{process.pid} {process.name()}"] = listening(process)
         except psutil.NoSuchProcess:
             continue
+    return sockets
+
+
+def beyond_loopback(sockets: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
+    return {name: s for name, s in sockets.items() if any(ip not in LOOPBACK for ip, _ in s)}
+
+
+def test_every_process_of_the_local_ray_listens_on_loopback_only(service):
+    sockets = listeners_of_this_process_tree()
     names = " ".join(sockets)
     assert "gcs_server" in names and "raylet" in names and "RolloutWorker" in names, names
     assert sum(map(len, sockets.values())) >= 5  # GCS, raylet, agents, workers: the scan saw them
-    elsewhere = {name: s for name, s in sockets.items() if any(ip not in LOOPBACK for ip, _ in s)}
-    assert not elsewhere, f"listening beyond loopback: {elsewhere}"
+    assert not beyond_loopback(sockets), f"listening beyond loopback: {beyond_loopback(sockets)}"
 
 
 def gcs_client(gcs: str, **env: str | None) -> subprocess.CompletedProcess:
