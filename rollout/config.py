@@ -135,8 +135,11 @@ def load_toml(path: str | Path, cls: type[T], **overrides: Any) -> T:
     """Read a TOML file into `cls`, with keyword overrides applied on top of the file's top level."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+        raise ValueError(f"config file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     data.update(overrides)
     return convert(data, cls)
