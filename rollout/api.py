@@ -11,7 +11,7 @@ import ray
 from ray.actor import ActorHandle
 
 from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
-from rollout.local_ray import start_local_ray
+from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.params import WeightSource
 from rollout.service import launch, stop
 from rollout.stream import RolloutStream, open_stream, sampling_params
@@ -103,5 +103,5 @@ def shutdown() -> None:
             stop(_service)
             _service = None
         if _owns_ray:
-            ray.shutdown()
+            stop_local_ray()
             _owns_ray = False

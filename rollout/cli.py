@@ -227,7 +227,13 @@ def read_prompts(path: Path) -> list[str | list[int]]:
             raise ValueError(f"{path}:{number}: not JSON ({err})") from None
         prompt = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(prompt, (str, list)):
-            raise ValueError(f"{path}:{number}: expected a string, a token-id list or {{\"prompt\": ...}}")
+            raise ValueError(f"{path}:{number}: expected a string, a token-id list or {{\"prompt\": ...}}, "
+                             f"got {prompt!r:.60}")
+        if not prompt:
+            raise ValueError(f"{path}:{number}: the prompt is empty")
+        bad = [t for t in prompt if type(t) is not int or t < 0] if isinstance(prompt, list) else []
+        if bad:
+            raise ValueError(f"{path}:{number}: {bad[0]!r} is not a token id (an integer >= 0)")
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"prompt file {str(path)!r} holds no prompts")

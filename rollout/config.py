@@ -14,6 +14,7 @@ from rollout.checks import check_types
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 
 T = TypeVar("T")
 
@@ -28,6 +29,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     the CUDA rule when set. A step computes at most `max_batch_tokens` tokens for at most
     `max_num_seqs` sequences. `cpu_offload_gib` sizes the CPU pool preempted requests are offloaded to
     (0 = recompute instead). `max_model_len` defaults to the model's `max_position_embeddings`.
+    `trust_remote_code` lets transformers run Python code shipped with the model (config.json `auto_map`);
+    off by default, as that code runs with the worker's rights.
     """
 
     model: str
@@ -43,6 +46,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_backend: str = "auto"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -66,6 +70,8 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     None = one per GPU of the cluster); `cpu` gives each `cpus_per_worker` CPUs (None = one worker).
     A worker sends a call's finished samples once `flush_rows` are pending or the oldest has waited
     `flush_delay_s`. `name` and `namespace` name the service actor that clients connect to.
+    `placement_strategy` is the Ray placement-group strategy of the workers' bundles: PACK fills as few
+    nodes as possible, SPREAD puts them on as many nodes as it can.
     `object_store_memory_gib` bounds the object store of an embedded local Ray only.
     """
 
@@ -77,6 +83,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     flush_rows: int = 64
     flush_delay_s: float = 0.05
     placement_timeout_s: float = 300.0
+    placement_strategy: str = "PACK"
     object_store_memory_gib: float = 2.0
 
     def __post_init__(self) -> None:
@@ -84,6 +91,7 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _bound(self, ">=", 1, "num_workers", "flush_rows")
         _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib")
         _bound(self, ">=", 0, "flush_delay_s")
+        _choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES, "ServiceConfig")
         if not self.name or not self.namespace:
             raise ValueError("ServiceConfig.name and ServiceConfig.namespace must not be empty")
         if self.engine.device not in DEVICES:
@@ -110,9 +118,9 @@ def _bound(struct: msgspec.Struct, op: str, bound: float, *names: str) -> None:
             raise ValueError(f"{type(struct).__name__}.{name}={value!r} must be {op} {bound}")
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def _choice(name: str, value: str, allowed: tuple[str, ...], struct: str = "EngineConfig") -> None:
     if value not in allowed:
-        raise ValueError(f"EngineConfig.{name}={value!r} must be one of {allowed}")
+        raise ValueError(f"{struct}.{name}={value!r} must be one of {allowed}")
 
 
 def convert(data: dict[str, Any], cls: type[T]) -> T:
@@ -127,8 +135,11 @@ def load_toml(path: str | Path, cls: type[T], **overrides: Any) -> T:
     """Read a TOML file into `cls`, with keyword overrides applied on top of the file's top level."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+        raise ValueError(f"config file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
     data.update(overrides)
     return convert(data, cls)

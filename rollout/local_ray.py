@@ -1,14 +1,17 @@
-"""The embedded Ray: a private instance on this machine with every listener on 127.0.0.1."""
+"""The embedded Ray: a private instance on this machine with every listener on 127.0.0.1 and token
+authentication with a token of its own."""
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 from typing import Any
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
 from ray._private import ray_constants, services
+from ray._raylet import AuthenticationTokenLoader, Config
 from ray.exceptions import RayTaskError
 
 from rollout.config import ServiceConfig
@@ -16,12 +19,26 @@ from rollout.config import ServiceConfig
 
 def start_local_ray(config: ServiceConfig) -> None:
     """Start a private Ray instance for the embedded service: no dashboard, a bounded object store, enough
-    CPUs for the configured workers, listeners on 127.0.0.1 only (never joins a running cluster)."""
+    CPUs for the configured workers, listeners on 127.0.0.1 only (never joins a running cluster), and
+    token authentication with a fresh random token (see `_private_token`)."""
     _loopback_only()
+    _private_token()
     workers = config.num_workers or 1
     ray.init(address="local", include_dashboard=False, namespace=config.namespace,
              num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
              object_store_memory=int(config.object_store_memory_gib * 2**30))
+
+
+def stop_local_ray() -> None:
+    """Stop the Ray that `start_local_ray` started and restore the caller's authentication settings."""
+    ray.shutdown()
+    for name, value in _saved_auth_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_auth_env.clear()
+    _reload_auth()
 
 
 def join_cluster(address: str, namespace: str) -> None:
@@ -44,6 +61,27 @@ def _loopback_only() -> None:
     # it sets is overridden too); the processes it starts read it from the environment.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+_saved_auth_env: dict[str, str | None] = {}  # the caller's values, restored by stop_local_ray
+
+
+def _private_token() -> None:
+    """Turn on token authentication with a random token of this instance only, held in this process's
+    environment (which Ray's processes inherit), instead of ~/.ray/auth_token, which Ray would create
+    readable by everyone and share with every other Ray of this user. RAY_AUTH_TOKEN beats any token file."""
+    if not _saved_auth_env:
+        _saved_auth_env.update({name: os.environ.get(name) for name in _AUTH_ENV})
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Make this process's Ray re-read the authentication mode and token from the environment."""
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def get_result(ref: ray.ObjectRef) -> Any:

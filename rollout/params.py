@@ -70,9 +70,9 @@ def _check(ok: bool, name: str, value, why: str) -> None:
 
 
 def check_update(version: int, mode: str) -> None:
-    """Raise ValueError unless `version` is an integer >= 0 and `mode` one of UPDATE_MODES (the arguments
-    every `update_weights` takes, checked where it is called)."""
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ValueError(f"version={version!r} must be a non-negative integer")
+    """Raise ValueError unless `version` is an integer in [0, 2**63) (rows hold it as int64) and `mode` one of
+    UPDATE_MODES (the arguments every `update_weights` takes, checked where it is called)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+        raise ValueError(f"version={version!r} must be an integer in [0, 2**63)")
     if mode not in UPDATE_MODES:
         raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")

@@ -61,7 +61,8 @@ class WorkerPool:
             have = {k: cluster.get(k, 0) for k in bundle}
             raise RuntimeError(
                 f"could not place {self.size} workers of {bundle} within "
-                f"{self.config.placement_timeout_s} s; the cluster has {have}") from None
+                f"{self.config.placement_timeout_s} s (strategy {self.config.placement_strategy}); "
+                f"the cluster has {have}") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():
             if worker not in self.watches:
@@ -195,11 +196,12 @@ class WorkerPool:
 
 
 def _placement_group(config: ServiceConfig) -> PlacementGroup:
-    """One bundle per worker, reserved all at once: one GPU and `cpus_per_worker` CPUs for CUDA engines
-    (one worker per GPU of the cluster by default), `cpus_per_worker` CPUs for CPU engines (one worker)."""
+    """One bundle per worker, reserved all at once with `config.placement_strategy`: one GPU and
+    `cpus_per_worker` CPUs for CUDA engines (one worker per GPU of the cluster by default),
+    `cpus_per_worker` CPUs for CPU engines (one worker)."""
     cuda = config.engine.device.startswith("cuda")
     count = config.num_workers or (int(ray.cluster_resources().get("GPU", 0)) if cuda else 1)
     if count < 1:
         raise ValueError("engine.device is 'cuda' but the Ray cluster has no GPUs")
     bundle = {"GPU": 1, "CPU": config.cpus_per_worker} if cuda else {"CPU": config.cpus_per_worker}
-    return placement_group([bundle] * count, strategy="PACK", name=f"{config.name}-workers")
+    return placement_group([bundle] * count, strategy=config.placement_strategy, name=f"{config.name}-workers")

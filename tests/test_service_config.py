@@ -10,7 +10,7 @@ import torch
 
 import rollout
 from rollout.config import LOCAL_CONFIG, EngineConfig, load_service_config
-from rollout.local_ray import start_local_ray
+from rollout.local_ray import start_local_ray, stop_local_ray
 
 
 @pytest.fixture
@@ -72,4 +72,4 @@ def test_workers_that_cannot_be_placed_fail_after_the_placement_timeout(model):
             rollout.init(model=model, num_workers=2, cpus_per_worker=cpus, placement_timeout_s=2.0)
         assert ray.is_initialized()
     finally:
-        ray.shutdown()
+        stop_local_ray()

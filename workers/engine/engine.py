@@ -17,7 +17,7 @@ from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
-from workers.engine.request_checks import check_fits, check_prompt
+from workers.engine.request_checks import check_fits, check_params, check_prompt
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence
 from workers.engine.weights import check_weights, copy_weights, load_source
@@ -35,7 +35,7 @@ class Engine:
         self.vocab_size = self.runner.model.config.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = _load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
@@ -62,6 +62,7 @@ class Engine:
                     request_id: str | None = None, prompt_index: int = 0,
                     sample_indices: list[int] | None = None) -> str:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
+        check_params(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
         if not indices or not all(0 <= i < params.n for i in indices):
@@ -202,6 +203,7 @@ class Engine:
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
                  use_tqdm: bool = False) -> pa.Table:
         """Every sample of every prompt, rows ordered by prompt then sample."""
+        check_params(params)
         token_lists = self.tokenize(prompts)
         for ids in token_lists:
             check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, params.n)
@@ -240,10 +242,10 @@ def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
-def _load_tokenizer(model_dir: str):
-    """The model's tokenizer, or None when it has none or it needs a package that is not installed:
-    token-id prompts still work, string prompts are then refused."""
+def _load_tokenizer(config: EngineConfig):
+    """The model's tokenizer, or None when it has none, it needs a package that is not installed or
+    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(model_dir)
+        return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError):
         return None

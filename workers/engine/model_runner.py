@@ -29,15 +29,21 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     path = Path(config.model)
     if not (path / "config.json").is_file():
         raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
+    trust = {"trust_remote_code": config.trust_remote_code}
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(path)
+        hf_config = transformers.AutoConfig.from_pretrained(path, **trust)
         check_config(hf_config)
         on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
-            **on_cuda)
+            **on_cuda, **trust)
     except (OSError, KeyError) as err:
         raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"EngineConfig.model={config.model!r} needs the Python code it ships (config.json "
+                         "auto_map); it runs only with EngineConfig.trust_remote_code=True") from err
     return model.eval()
 
 

@@ -17,17 +17,22 @@ def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int
         raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError(f"prompt {index} is empty")
-    not_int = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
-    if not_int is not None:
-        raise ValueError(f"prompt {index} has {not_int!r}, which is not an integer token id")
+    for token in ids:  # (None is a bad token too, so no next(..., None) here)
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise ValueError(f"prompt {index} has {token!r}, which is not an integer token id")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"prompt {index} has token id {token!r} outside the vocabulary [0, {vocab_size})")
     ids = [int(t) for t in ids]
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's maximum length is "
                          f"{max_model_len} (prompt + at least one generated token)")
     return ids
+
+
+def check_params(params: object) -> None:
+    """Refuse sampling parameters that are not a `SamplingParams` (which validates itself when built)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
 
 
 def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, prompt_len: int,

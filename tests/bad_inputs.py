@@ -1,0 +1,49 @@
+"""The kinds of bad input the property tests put through the public entries, and the check each gets:
+refused with an error that names the bad value or field."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+from hypothesis import strategies as st
+
+VOCAB, MAX_LEN = 512, 1024  # the tiny qwen3 model of the tests
+KINDS: dict[str, set[str]] = {}  # entry (e.g. "rollout.sample") -> the kinds of bad input tried on it
+
+
+@contextmanager
+def refused(entry: str, kind: str, names: object, error: type[BaseException] = ValueError) -> Iterator[None]:
+    """Expect `error` with `names` in the message (a compiled pattern, or its str matched literally); count
+    the kind as tried."""
+    KINDS.setdefault(entry, set()).add(kind)
+    with pytest.raises(error, match=names if isinstance(names, re.Pattern) else re.escape(str(names))):
+        yield
+
+
+def report(entries: list[str], minimum: int) -> int:
+    """Print the kinds tried on each of `entries` and assert at least `minimum` in all; returns the total."""
+    total = sum(len(KINDS.get(entry, ())) for entry in entries)
+    for entry, kinds in sorted((e, KINDS.get(e, set())) for e in entries):
+        print(f"{entry}: {len(kinds)} kinds of bad input refused: {', '.join(sorted(kinds))}")
+    print(f"bad-input kinds refused through {', '.join(entries)}: {total}")
+    assert total >= minimum, KINDS
+    return total
+
+
+ids = st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=6)
+# kind -> strategy of (bad prompt, the text its error must hold, with {i} its index)
+BAD_PROMPTS = {
+    "empty prompt": st.sampled_from([([], "prompt {i} is empty"), ("", "prompt {i} is empty")]),
+    "negative token id": st.integers(max_value=-1).map(lambda t: ([5, t], f"prompt {{i}} has token id {t} ")),
+    "token id beyond the vocabulary": st.integers(VOCAB, 2**70).map(
+        lambda t: ([t, 5], f"prompt {{i}} has token id {t} outside the vocabulary")),
+    "token id not an int": st.sampled_from([1.5, None, "7", True, [3], b"x"]).map(
+        lambda t: ([5, t], f"prompt {{i}} has {t!r}, which is not an integer token id")),
+    "prompt of the model's length or more": st.integers(MAX_LEN, MAX_LEN + 50).map(
+        lambda n: ([7] * n, f"prompt {{i}} has {n} tokens")),
+    "prompt of a wrong type": st.sampled_from([None, 5, 2.0, {"ids": [1]}, b"ab"]).map(
+        lambda p: (p, f"prompt {{i}} must be a string or a list of token ids, got {type(p).__name__}")),
+}
