@@ -30,7 +30,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `max_num_seqs` sequences. `cpu_offload_gib` sizes the CPU pool preempted requests are offloaded to
     (0 = recompute instead). `max_model_len` defaults to the model's `max_position_embeddings`.
     `trust_remote_code` lets transformers run Python code shipped with the model (config.json `auto_map`);
-    off by default, as that code runs with the worker's rights.
+    off by default, as that code runs with the worker's rights. `check_integrity` asserts the block
+    accounting after every step (slow: for tests and soak runs); a broken invariant fails the step.
     """
 
     model: str
@@ -47,6 +48,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
+    check_integrity: bool = False
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -199,3 +199,13 @@ def test_request_larger_than_cache_is_refused(qwen3):
         engine.add_request([5] * 10, SamplingParams(max_new_tokens=10))
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_engine(qwen3, max_num_seqs=4).add_request([5] * 3, SamplingParams(n=5))
+
+
+def test_check_integrity_fails_the_step_that_breaks_accounting(qwen3):
+    """With `check_integrity`, every step proves the block accounting; a leaked block fails the next step."""
+    engine = make_engine(qwen3, check_integrity=True)
+    engine.add_request([5, 6, 7], SamplingParams(n=2, max_new_tokens=8))
+    engine.step()
+    engine.pool.allocate(1)  # a block that no sequence holds
+    with pytest.raises(AssertionError, match="refcounts"):
+        engine.step()

@@ -149,7 +149,10 @@ class Engine:
         tokens, logprobs = self.runner.run(batch.seqs, batch.num_tokens)
         self.counters["steps"] += 1
         seqs = self._fork(self.scheduler.update(batch))
-        return self._append_samples(seqs, tokens, logprobs)
+        rows = self._append_samples(seqs, tokens, logprobs)
+        if self.config.check_integrity:
+            self.check_integrity()
+        return rows
 
     def _append_samples(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[dict]:
         """Append each sampled token to its sequence (one per sampling row, forks split), check stops."""
