@@ -67,6 +67,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     A worker sends a call's finished samples once `flush_rows` are pending or the oldest has waited
     `flush_delay_s`. `name` and `namespace` name the service actor that clients connect to.
     `object_store_memory_gib` bounds the object store of an embedded local Ray only.
+
+    `worker_stall_timeout_s`: a worker that has work but whose engine loop finishes no step (nor any other
+    engine call) for this long is killed and replaced, and its samples resent: a step stuck in a collective,
+    a process stopped by a signal. 300 s by default: far above any healthy step, but a single engine call
+    may legitimately take minutes (the first step's CUDA graph capture or Triton compile, a long prefill,
+    a checkpoint update read from slow shared disk), and killing a healthy worker costs its reload.
     """
 
     engine: EngineConfig
@@ -78,11 +84,13 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     flush_delay_s: float = 0.05
     placement_timeout_s: float = 300.0
     object_store_memory_gib: float = 2.0
+    worker_stall_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_types(self)
         _bound(self, ">=", 1, "num_workers", "flush_rows")
-        _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib")
+        _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib",
+               "worker_stall_timeout_s")
         _bound(self, ">=", 0, "flush_delay_s")
         if not self.name or not self.namespace:
             raise ValueError("ServiceConfig.name and ServiceConfig.namespace must not be empty")

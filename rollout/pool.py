@@ -15,6 +15,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.config import ServiceConfig
+from rollout.stall_watch import StallWatch
 from workers.actor import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ Prepare = Callable[[ActorHandle, Callable[[], None]], Awaitable[None]]
 
 class WorkerPool:
     """The live worker actors of one service and the samples each still owes (its outstanding load). A lost
-    worker is replaced by a fresh one under the same id, which takes work once `prepare` has readied it."""
+    worker (dead, or stalled: see `StallWatch`) is replaced by a fresh one under the same id, which takes work
+    once `prepare` has readied it."""
 
     def __init__(self, config: ServiceConfig, prepare: Prepare) -> None:
         self.config = config
@@ -39,6 +41,7 @@ class WorkerPool:
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
         self.replacing: dict[int, asyncio.Task] = {}
         self.watches: dict[int, asyncio.Task] = {}
+        self.stall_watch: asyncio.Task | None = None
         self.closed = False
 
     def _spawn(self, worker_id: int) -> ActorHandle:
@@ -66,6 +69,8 @@ class WorkerPool:
         for worker, handle in self.workers.items():
             if worker not in self.watches:
                 self._watch(worker, handle)
+        if self.stall_watch is None:
+            self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
         return len(self.workers)
 
     def _watch(self, worker: int, handle: ActorHandle) -> None:
@@ -185,8 +190,9 @@ class WorkerPool:
     def shutdown(self) -> None:
         """Stop replacing, kill every worker (replacements under way included) and free the placement group."""
         self.closed = True
-        for task in [*self.replacing.values(), *self.watches.values()]:
-            task.cancel()
+        for task in [*self.replacing.values(), *self.watches.values(), self.stall_watch]:
+            if task is not None:
+                task.cancel()
         for workers in (self.workers, self.starting):
             for worker in list(workers):
                 ray.kill(workers.pop(worker), no_restart=True)
