@@ -9,12 +9,13 @@ import pyarrow as pa
 import ray
 from ray.actor import ActorHandle
 
+from rollout.callers import CallerWatch
 from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 from rollout.sample_call import SampleCall
 from rollout.weight_updates import WeightUpdates
-from workers.messages import WeightGroup, WeightUpdate
+from workers.messages import Caller, WeightGroup, WeightUpdate
 
 
 class RolloutService:
@@ -24,18 +25,20 @@ class RolloutService:
     def __init__(self, config: ServiceConfig) -> None:
         self.weights = WeightUpdates(config)
         self.pool = WorkerPool(config, prepare=self.weights.replay)
+        self.callers = CallerWatch()
 
     async def ready(self) -> int:
         """Wait until every worker's engine has loaded; returns the number of workers."""
         return await self.pool.ready()
 
-    async def sample(self, prompts: list[str] | list[list[int]],
-                     params: SamplingParams) -> AsyncIterator[pa.RecordBatch | int]:
+    async def sample(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+                     caller: Caller) -> AsyncIterator[pa.RecordBatch | int]:
         """Yield the number of samples once every prompt is validated and queued, then record batches as
-        samples finish."""
+        samples finish. The call is aborted if `caller`'s process dies."""
         call = SampleCall(self.pool, await self.pool.tokenize(prompts), params)
-        async for item in call.run():
-            yield item
+        with self.callers.watching(caller, call):
+            async for item in call.run():
+                yield item
 
     async def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker, by worker id."""

@@ -14,12 +14,16 @@ from tqdm.auto import tqdm
 from rollout.local_ray import get_result
 from rollout.params import SamplingParams
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
+from workers.messages import Caller
 
 
 def open_stream(service: ActorHandle, prompts: list[str] | list[list[int]], params: SamplingParams,
                 progress: bool) -> "RolloutStream":
-    """Start a `sample` call on `service`; prompts the service rejects raise ValueError here."""
-    return RolloutStream(service.sample.remote(prompts, params), progress)
+    """Start a `sample` call on `service`; prompts the service rejects raise ValueError here. The call names
+    this process, so that the service aborts it if this process dies."""
+    context = ray.get_runtime_context()
+    caller = Caller(context.get_job_id(), context.get_worker_id())
+    return RolloutStream(service.sample.remote(prompts, params, caller), progress)
 
 
 def sampling_params(n: int, sampling: dict[str, Any]) -> SamplingParams:
