@@ -36,8 +36,8 @@ class WorkerPool:
         self.prepare = prepare
         self.placement = _placement_group(config)
         self.size = len(self.placement.bundle_specs)
-        self.workers: dict[int, ActorHandle] = {i: self._spawn(i) for i in range(self.size)}
-        self.load = dict.fromkeys(self.workers, 0)
+        self.workers: dict[int, ActorHandle] = {}  # started by `ready`
+        self.load: dict[int, int] = {}
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
         self.replacing: dict[int, asyncio.Task] = {}
         self.watches: dict[int, asyncio.Task] = {}
@@ -56,7 +56,11 @@ class WorkerPool:
             max_restarts=0, max_task_retries=0, **resources).remote(self.config, worker_id)
 
     async def ready(self) -> int:
-        """Wait for the placement and for every engine to load; returns the number of workers."""
+        """Start the workers, wait for the placement and for every engine to load; returns the number of
+        workers. Called once, before any other method."""
+        for worker in range(self.size):  # a restarted service waits for its predecessor's names to be released
+            self.workers[worker] = await self._respawn(worker)
+            self.load[worker] = 0
         try:
             await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
         except asyncio.TimeoutError:
@@ -67,10 +71,8 @@ class WorkerPool:
                 f"{self.config.placement_timeout_s} s; the cluster has {have}") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():
-            if worker not in self.watches:
-                self._watch(worker, handle)
-        if self.stall_watch is None:
-            self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
+            self._watch(worker, handle)
+        self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
         return len(self.workers)
 
     def _watch(self, worker: int, handle: ActorHandle) -> None:
@@ -138,7 +140,7 @@ class WorkerPool:
             self.replacing.pop(worker, None)
 
     async def _respawn(self, worker: int) -> ActorHandle:
-        """`_spawn` as soon as Ray has released the lost worker's actor name."""
+        """`_spawn` as soon as Ray has released the actor name of a lost worker (or of a crashed service's)."""
         deadline = time.monotonic() + _NAME_RELEASE_S
         while True:
             try:
