@@ -180,10 +180,12 @@ def _stop(args: argparse.Namespace) -> int:
 
     from rollout.local_ray import join_cluster
     from rollout.service import stop
+    from rollout.weight_keeper import stop_keeper
 
     config = load_service_config(args.config, **_overrides(args))
     join_cluster(args.address, config.namespace)
     stop(ray.get_actor(config.name, namespace=config.namespace))
+    stop_keeper(config)  # in case the service was dead and could not
     print(f"rollout service {config.name!r} stopped", flush=True)
     return 0
 

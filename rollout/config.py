@@ -75,6 +75,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `placement_strategy` is the Ray placement-group strategy of the workers' bundles: PACK fills as few
     nodes as possible, SPREAD puts them on as many nodes as it can.
     `object_store_memory_gib` bounds the object store of an embedded local Ray only.
+
+    `worker_stall_timeout_s`: a worker that has work but whose engine loop finishes no step (nor any other
+    engine call) for this long is killed and replaced, and its samples resent: a step stuck in a collective,
+    a process stopped by a signal. 300 s by default: far above any healthy step, but a single engine call
+    may legitimately take minutes (the first step's CUDA graph capture or Triton compile, a long prefill,
+    a checkpoint update read from slow shared disk), and killing a healthy worker costs its reload.
     """
 
     engine: EngineConfig
@@ -87,11 +93,13 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     placement_timeout_s: float = 300.0
     placement_strategy: str = "PACK"
     object_store_memory_gib: float = 2.0
+    worker_stall_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_types(self)
         _bound(self, ">=", 1, "num_workers", "flush_rows")
-        _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib")
+        _bound(self, ">", 0, "cpus_per_worker", "placement_timeout_s", "object_store_memory_gib",
+               "worker_stall_timeout_s")
         _bound(self, ">=", 0, "flush_delay_s")
         _choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES, "ServiceConfig")
         if not self.name or not self.namespace:

@@ -15,6 +15,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.config import ServiceConfig
+from rollout.stall_watch import StallWatch
 from workers.actor import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -27,18 +28,20 @@ Prepare = Callable[[ActorHandle, Callable[[], None]], Awaitable[None]]
 
 class WorkerPool:
     """The live worker actors of one service and the samples each still owes (its outstanding load). A lost
-    worker is replaced by a fresh one under the same id, which takes work once `prepare` has readied it."""
+    worker (dead, or stalled: see `StallWatch`) is replaced by a fresh one under the same id, which takes work
+    once `prepare` has readied it."""
 
     def __init__(self, config: ServiceConfig, prepare: Prepare) -> None:
         self.config = config
         self.prepare = prepare
         self.placement = _placement_group(config)
         self.size = len(self.placement.bundle_specs)
-        self.workers: dict[int, ActorHandle] = {i: self._spawn(i) for i in range(self.size)}
-        self.load = dict.fromkeys(self.workers, 0)
+        self.workers: dict[int, ActorHandle] = {}  # started by `ready`
+        self.load: dict[int, int] = {}
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
         self.replacing: dict[int, asyncio.Task] = {}
         self.watches: dict[int, asyncio.Task] = {}
+        self.stall_watch: asyncio.Task | None = None
         self.closed = False
 
     def _spawn(self, worker_id: int) -> ActorHandle:
@@ -53,7 +56,11 @@ class WorkerPool:
             max_restarts=0, max_task_retries=0, **resources).remote(self.config, worker_id)
 
     async def ready(self) -> int:
-        """Wait for the placement and for every engine to load; returns the number of workers."""
+        """Start the workers, wait for the placement and for every engine to load; returns the number of
+        workers. Called once, before any other method."""
+        for worker in range(self.size):  # a restarted service waits for its predecessor's names to be released
+            self.workers[worker] = await self._respawn(worker)
+            self.load[worker] = 0
         try:
             await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
         except asyncio.TimeoutError:
@@ -65,8 +72,8 @@ class WorkerPool:
                 f"the cluster has {have}") from None
         await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():
-            if worker not in self.watches:
-                self._watch(worker, handle)
+            self._watch(worker, handle)
+        self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
         return len(self.workers)
 
     def _watch(self, worker: int, handle: ActorHandle) -> None:
@@ -134,7 +141,7 @@ class WorkerPool:
             self.replacing.pop(worker, None)
 
     async def _respawn(self, worker: int) -> ActorHandle:
-        """`_spawn` as soon as Ray has released the lost worker's actor name."""
+        """`_spawn` as soon as Ray has released the actor name of a lost worker (or of a crashed service's)."""
         deadline = time.monotonic() + _NAME_RELEASE_S
         while True:
             try:
@@ -186,8 +193,9 @@ class WorkerPool:
     def shutdown(self) -> None:
         """Stop replacing, kill every worker (replacements under way included) and free the placement group."""
         self.closed = True
-        for task in [*self.replacing.values(), *self.watches.values()]:
-            task.cancel()
+        for task in [*self.replacing.values(), *self.watches.values(), self.stall_watch]:
+            if task is not None:
+                task.cancel()
         for workers in (self.workers, self.starting):
             for worker in list(workers):
                 ray.kill(workers.pop(worker), no_restart=True)

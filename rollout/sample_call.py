@@ -115,6 +115,10 @@ class SampleCall:
         stream.pump_task = asyncio.create_task(stream.pump(self.events))
         return []
 
+    def abort(self, reason: Exception) -> None:
+        """End the call with `reason` (raised by `run`), cancelling its workers' streams."""
+        self.events.put_nowait((None, reason))
+
     def _receive(self, stream: _Stream, batch: pa.RecordBatch) -> None:
         prompts = batch.column("prompt_index").to_pylist()
         for prompt, sample in zip(prompts, batch.column("sample_index").to_pylist()):

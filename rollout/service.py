@@ -3,64 +3,90 @@ and serves `sample` calls from any driver; `launch` starts it and waits until ev
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import pyarrow as pa
 import ray
 from ray.actor import ActorHandle
 
+from rollout.callers import CallerWatch
 from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 from rollout.sample_call import SampleCall
+from rollout.weight_keeper import start_keeper, stop_keeper
 from rollout.weight_updates import WeightUpdates
-from workers.messages import WeightGroup, WeightUpdate
+from workers.messages import Caller, WeightGroup, WeightUpdate
 
 
 class RolloutService:
     """A Ray actor (async: calls from many drivers stream at once) that routes prompts to its workers and
-    applies weight updates to all of them."""
+    applies weight updates to all of them. It starts its workers at once; every call waits for `ready`.
 
-    def __init__(self, config: ServiceConfig) -> None:
-        self.weights = WeightUpdates(config)
+    A detached service has a `WeightKeeper` and is restarted by Ray after a crash: its workers died with
+    it (they are its children), so it starts new ones and replays the keeper's latest update into them."""
+
+    def __init__(self, config: ServiceConfig, keeper: ActorHandle | None = None) -> None:
+        self.keeper = keeper
+        self.weights = WeightUpdates(config, keeper)
         self.pool = WorkerPool(config, prepare=self.weights.replay)
+        self.callers = CallerWatch()
+        self.started = asyncio.get_running_loop().create_task(self._start())
+
+    async def _start(self) -> int:
+        await self.weights.recall()
+        workers = await self.pool.ready()
+        await self.weights.restore(self.pool)
+        return workers
 
     async def ready(self) -> int:
-        """Wait until every worker's engine has loaded; returns the number of workers."""
-        return await self.pool.ready()
+        """Wait until every worker's engine has loaded (and, after a restart, holds the latest weights);
+        returns the number of workers."""
+        return await asyncio.shield(self.started)
 
-    async def sample(self, prompts: list[str] | list[list[int]],
-                     params: SamplingParams) -> AsyncIterator[pa.RecordBatch | int]:
+    async def sample(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+                     caller: Caller) -> AsyncIterator[pa.RecordBatch | int]:
         """Yield the number of samples once every prompt is validated and queued, then record batches as
-        samples finish."""
+        samples finish. The call is aborted if `caller`'s process dies."""
+        await self.ready()
         call = SampleCall(self.pool, await self.pool.tokenize(prompts), params)
-        async for item in call.run():
-            yield item
+        with self.callers.watching(caller, call):
+            async for item in call.run():
+                yield item
 
     async def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker, by worker id."""
+        await self.ready()
         return await self.pool.stats()
 
     async def check_weights(self, update: WeightUpdate) -> None:
         """Raise ValueError if the engines would refuse the update's tensors; changes nothing."""
+        await self.ready()
         await self.weights.check(self.pool, update)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """Check the update, apply it on every worker; returns once every live worker has its version."""
+        await self.ready()
         await self.weights.apply(self.pool, update)
 
     async def weight_group_spec(self, backend: str | None) -> tuple[int, str]:
         """World size and backend of a new broadcast group (see `init_weight_sync`)."""
+        await self.ready()
         return await self.weights.group_spec(self.pool, backend)
 
     async def join_weight_group(self, group: WeightGroup) -> None:
         """Have every worker join the trainer's broadcast group; returns once all have."""
+        await self.ready()
         await self.weights.join_group(self.pool, group)
 
     async def shutdown(self) -> None:
         """Stop replacing workers, kill them and free their placement; the actor itself is killed by the
         caller. (Async, so that it runs on the event loop that owns the replacement tasks it cancels.)"""
+        self.started.cancel()
         self.pool.shutdown()
+        if self.keeper is not None:
+            ray.kill(self.keeper, no_restart=True)
 
 
 _RemoteService = ray.remote(RolloutService)
@@ -68,22 +94,36 @@ _RemoteService = ray.remote(RolloutService)
 
 def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
     """Start the service actor named `config.name` in `config.namespace` and wait until it is ready.
-    A detached service outlives the driver that started it (`rollout serve --detach`)."""
+    A detached service outlives the driver that started it (`rollout serve --detach`), and Ray restarts it
+    whenever it dies other than by `stop` (its calls in flight fail; see `RolloutService`)."""
+    if _name_taken(config.name, config.namespace):  # before start_keeper replaces a running service's keeper
+        raise ValueError(f"a rollout service named {config.name!r} already runs in namespace "
+                         f"{config.namespace!r}; stop it first (`rollout stop`)")
+    keeper = start_keeper(config) if detached else None
     service = _RemoteService.options(
-        name=config.name, namespace=config.namespace, num_cpus=0, max_restarts=0, max_task_retries=0,
-        lifetime="detached" if detached else None).remote(config)
+        name=config.name, namespace=config.namespace, num_cpus=0, max_restarts=-1 if detached else 0,
+        max_task_retries=0, lifetime="detached" if detached else None).remote(config, keeper)
     try:
         ray.get(service.ready.remote())
     except BaseException as err:
         stop(service)
+        stop_keeper(config)
         if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, Exception):
             raise err.cause from None  # raised in the service: its cause says what went wrong
         raise
     return service
 
 
+def _name_taken(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
 def stop(service: ActorHandle) -> None:
-    """Stop a service: its workers, then the service actor itself."""
+    """Stop a service: its workers and weight keeper, then the service actor itself (for good: no restart)."""
     try:
         ray.get(service.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:

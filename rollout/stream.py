@@ -14,12 +14,17 @@ from tqdm.auto import tqdm
 from rollout.local_ray import get_result
 from rollout.params import SamplingParams
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
+from rollout.service_lost import service_calls
+from workers.messages import Caller
 
 
 def open_stream(service: ActorHandle, prompts: list[str] | list[list[int]], params: SamplingParams,
                 progress: bool) -> "RolloutStream":
-    """Start a `sample` call on `service`; prompts the service rejects raise ValueError here."""
-    return RolloutStream(service.sample.remote(prompts, params), progress)
+    """Start a `sample` call on `service`; prompts the service rejects raise ValueError here. The call names
+    this process, so that the service aborts it if this process dies."""
+    context = ray.get_runtime_context()
+    caller = Caller(context.get_job_id(), context.get_worker_id())
+    return RolloutStream(service, service.sample.remote(prompts, params, caller), progress)
 
 
 def sampling_params(n: int, sampling: dict[str, Any]) -> SamplingParams:
@@ -35,14 +40,16 @@ class RolloutStream:
     `total` is the number of samples the call will deliver.
 
     Breaking off the iteration, `cancel()`, leaving a `with` block or dropping the stream aborts the
-    samples not yet received and frees their KV blocks. `progress=True` shows a tqdm bar.
+    samples not yet received and frees their KV blocks. `progress=True` shows a tqdm bar. If the service
+    actor dies meanwhile, iterating raises `ServiceUnavailable` at once.
     """
 
-    def __init__(self, generator: ObjectRefGenerator, progress: bool = False) -> None:
-        self._generator = generator
+    def __init__(self, service: ActorHandle, generator: ObjectRefGenerator, progress: bool = False) -> None:
+        self._service, self._generator = service, generator
         self._open = True
         try:
-            self.total: int = get_result(next(generator))  # the acknowledgement: prompts valid and queued
+            with service_calls(service):
+                self.total: int = get_result(next(generator))  # the acknowledgement: prompts valid and queued
         except BaseException:
             self.cancel()
             raise
@@ -50,10 +57,11 @@ class RolloutStream:
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         try:
-            for ref in self._generator:
-                batch = get_result(ref)
-                self._bar.update(batch.num_rows)
-                yield batch
+            with service_calls(self._service):
+                for ref in self._generator:
+                    batch = get_result(ref)
+                    self._bar.update(batch.num_rows)
+                    yield batch
             self._open = False
         finally:
             self.cancel()

@@ -14,6 +14,7 @@ from ray.actor import ActorHandle
 
 from rollout.local_ray import get_result
 from rollout.params import WeightSource, check_update
+from rollout.service_lost import service_calls
 from workers.messages import TRANSPORTS, WeightGroup, WeightUpdate
 from workers.weight_format import (
     check_bucket_bytes,
@@ -44,7 +45,8 @@ def push_weights(service: ActorHandle, source: WeightSource, version: int, mode:
             raise RuntimeError("transport='broadcast' needs a broadcast group: call init_weight_sync() first")
         sync.update_weights(source, version, mode)
         return
-    get_result(service.update_weights.remote(_update(source, version, mode, transport)))
+    with service_calls(service):
+        get_result(service.update_weights.remote(_update(source, version, mode, transport)))
 
 
 def _update(source: WeightSource, version: int, mode: str, transport: str) -> WeightUpdate:
@@ -92,13 +94,14 @@ class WeightSync:
         tensors = describe(check_state_dict(state_dict))
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
                               buckets=plan_buckets(tensors, self.bucket_bytes))
-        get_result(self.service.check_weights.remote(update))
-        applied = self.service.update_weights.remote(update)
-        device = group_device(self.backend)
-        try:
-            for bucket in update.buckets:
-                broadcast(self.group, pack(state_dict, tensors, bucket, device))
-        except Exception:
-            get_result(applied)  # a worker that failed first says why
-            raise
-        get_result(applied)
+        with service_calls(self.service):
+            get_result(self.service.check_weights.remote(update))
+            applied = self.service.update_weights.remote(update)
+            device = group_device(self.backend)
+            try:
+                for bucket in update.buckets:
+                    broadcast(self.group, pack(state_dict, tensors, bucket, device))
+            except Exception:
+                get_result(applied)  # a worker that failed first says why
+                raise
+            get_result(applied)

@@ -1,10 +1,12 @@
 """The service's side of weight updates: one at a time, checked on one worker before any worker changes (all
 workers hold the same model), applied on every worker at once, and kept as the replay source that a
-replacement worker receives before it takes work. Also gives the workers their ranks in a broadcast group."""
+replacement worker receives before it takes work (and, for a detached service, in its `WeightKeeper`, from
+which a restarted service replays it). Also gives the workers their ranks in a broadcast group."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable
 
 import msgspec
@@ -15,12 +17,15 @@ from rollout.config import ServiceConfig
 from rollout.pool import WorkerPool
 from workers.messages import BACKENDS, WeightGroup, WeightUpdate
 
+log = logging.getLogger(__name__)
+
 
 class WeightUpdates:
     """The weights state of one service: the latest update (its replay source) and the broadcast group."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, keeper: ActorHandle | None = None) -> None:
         self.device = config.engine.device
+        self.keeper = keeper  # a detached service's WeightKeeper
         self.lock = asyncio.Lock()  # held while an update applies, a replay runs, or a group forms
         self.latest: WeightUpdate | None = None
         self.group: dict[int, ActorHandle] = {}  # the workers of the current broadcast group
@@ -47,16 +52,41 @@ class WeightUpdates:
         service, so it outlives that worker)."""
         replay = msgspec.structs.replace(update, mode="continue")
         if update.transport != "broadcast":
+            if self.keeper is not None:
+                await self.keeper.keep.remote(replay)
             return replay
         for worker, handle in sorted(pool.workers.items()):
-            size, arrays = handle.export_weights.remote()
             try:
-                await size
+                return await self._export(handle, replay)
             except RayActorError as err:
                 pool.lose(worker, handle, err)
-                continue
-            return msgspec.structs.replace(replay, transport="object_store", arrays=arrays, buckets=[])
         raise RuntimeError("every worker was lost before the broadcast weights could be kept for replay")
+
+    async def _export(self, handle: ActorHandle, replay: WeightUpdate) -> WeightUpdate:
+        """A copy of the worker's weights as an object-store update, owned by the keeper if there is one."""
+        if self.keeper is not None:
+            return await self.keeper.keep_export.remote(handle, replay)
+        size, arrays = handle.export_weights.remote()
+        await size
+        return msgspec.structs.replace(replay, transport="object_store", arrays=arrays, buckets=[])
+
+    async def recall(self) -> None:
+        """Take the keeper's replay source as the latest update (a service restarted after a crash)."""
+        if self.keeper is not None:
+            self.latest = await self.keeper.recall.remote()
+
+    async def restore(self, pool: WorkerPool) -> None:
+        """Apply the recalled update on every worker of a restarted service. If its source is gone (the
+        trainer that owned an object-store update died, a checkpoint was deleted), the workers keep the
+        model's own weights and version 0, and an error is logged."""
+        if self.latest is None:
+            return
+        async with self.lock:
+            try:
+                await pool.call_all("update_weights", self.latest)
+            except Exception as err:
+                log.error("could not replay weights version %d after a restart: %r", self.latest.version, err)
+                self.latest = None
 
     async def replay(self, handle: ActorHandle, admit: Callable[[], None]) -> None:
         """Give a fresh worker the latest weights and version, then `admit` it to routing, with no update

@@ -9,6 +9,7 @@ import ray
 from ray.actor import ActorHandle
 
 from rollout.local_ray import join_cluster
+from rollout.service_lost import service_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
@@ -49,7 +50,8 @@ class RolloutClient:
 
     def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker of the service."""
-        return ray.get(self.service.stats.remote())
+        with service_calls(self.service):
+            return ray.get(self.service.stats.remote())
 
     def update_weights(self, source: WeightSource, version: int, mode: str = "continue", *,
                        transport: str | None = None) -> None:

@@ -56,6 +56,11 @@ class RolloutWorker:
         """The engine's counters and weights version; the first call also tells that the engine has loaded."""
         return await asyncio.wrap_future(self.loop.submit(self.loop.engine.stats))
 
+    async def progress(self) -> tuple[int, bool]:
+        """The engine loop's finished iterations, and whether it waits idle for work. Answered here on the
+        event loop from what the loop thread wrote, so a stuck engine thread shows as no progress."""
+        return self.loop.ticks, self.loop.idle
+
     async def alive(self) -> None:
         """Pending for as long as this worker lives: the service awaits it to notice a death at once."""
         await asyncio.Event().wait()

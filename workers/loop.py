@@ -44,6 +44,10 @@ class EngineLoop:
         self._calls: dict[str, _Call] = {}
         self._owners: dict[str, str] = {}  # engine request id -> call id
         self._error: BaseException | None = None
+        # Progress, written by the loop thread only and read by the actor's watchdog probe: loop iterations
+        # finished (a step, or the commands run between two), and whether it waits for work with none to do.
+        self.ticks = 0
+        self.idle = False
         built: Future = Future()
         threading.Thread(target=self._run, args=(make_engine, built), name="engine-loop", daemon=True).start()
         self.engine = built.result()
@@ -105,11 +109,14 @@ class EngineLoop:
             if self._error is None and self.engine.has_unfinished():
                 self._step()
             self._flush(time.monotonic())
+            self.ticks += 1
 
     def _run_commands(self, block: bool) -> None:
         """Run the queued commands; wait for the first one when the engine has nothing to do."""
         try:
+            self.idle = block
             item = self._commands.get(block=block)
+            self.idle = False
             while True:
                 future, fn, args = item
                 if future.set_running_or_notify_cancel():
@@ -130,7 +137,9 @@ class EngineLoop:
         self._deliver(rows, time.monotonic())
 
     def _deliver_now(self, rows: list[dict]) -> None:
-        """Hand rows to their calls and flush what is due, from inside a long engine call."""
+        """Hand rows to their calls and flush what is due, from inside a long engine call (each step of a
+        "finish" drain: progress for the watchdog)."""
+        self.ticks += 1
         now = time.monotonic()
         self._deliver(rows, now)
         self._flush(now)

@@ -17,6 +17,14 @@ class PromptGroup(msgspec.Struct, frozen=True):
     sample_indices: list[int]
 
 
+class Caller(msgspec.Struct, frozen=True):
+    """The process that made a `sample` call (hex Ray ids of its job and worker: a driver, or an actor or task),
+    so that the service can abort the call when that process dies."""
+
+    job_id: str
+    worker_id: str
+
+
 class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
     """Name, dtype (torch's name, e.g. "bfloat16") and shape of one tensor of a weight update."""
 
