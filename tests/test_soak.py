@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import rollout
 from tests.conftest import random_prompts
+from tests.test_service_hangs import hang_next_step
 from trainer_client import RolloutClient
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.soak, pytest.mark.timeout(900)]
 TARGET_SAMPLES = 2000
 CALLERS = 3
 PROMPTS, N = 6, 4  # per call: 24 samples
+STALL_S = 3.0
 BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model: layers * (k, v) * block * kv heads * head dim * fp32
 
 
@@ -73,10 +76,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def kill_busiest_worker(client: RolloutClient) -> None:
-    owing = {w: s["outstanding"] for w, s in client.stats().items()}
-    victim = max(owing, key=owing.get)
-    ray.kill(ray.get_actor(f"rollout-worker-{victim}", namespace="rollout"), no_restart=True)
+def busiest_worker(client: RolloutClient, preempted: Counter) -> ray.actor.ActorHandle:
+    """The worker owing the most samples, its preemption counters added to `preempted` (it is about to go)."""
+    stats = client.stats()
+    victim = max(stats, key=lambda w: stats[w]["outstanding"])
+    preempted.update({k: stats[victim][k] for k in ("offloads", "recomputes")})
+    return ray.get_actor(f"rollout-worker-{victim}", namespace="rollout")
+
+
+# Run inside a worker (a lambda, so that it is pickled by value): its engine's `check_integrity`, on the
+# engine's own thread.
+check_integrity = lambda actor: actor.loop.submit(actor.loop.engine.check_integrity).result()  # noqa: E731
 
 
 def check_rows(tally: Tally, updated_at: float) -> None:
@@ -107,22 +117,24 @@ def perturbed(model: str) -> dict[str, torch.Tensor]:
 def test_soak(model_dir):
     model = model_dir("qwen3")
     rollout.init(model=model, num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8, num_blocks=24,
-                 block_size=16, max_batch_tokens=64, cpu_offload_gib=6 * BYTES_PER_BLOCK / 2**30,
-                 object_store_memory_gib=0.5)
+                 block_size=16, max_batch_tokens=64, cpu_offload_gib=4 * BYTES_PER_BLOCK / 2**30,
+                 object_store_memory_gib=0.5, check_integrity=True, worker_stall_timeout_s=STALL_S)
     client = RolloutClient.connect(name="rollout", namespace="rollout")
-    tally, stop = Tally(), threading.Event()
+    tally, stop, preempted = Tally(), threading.Event(), Counter()
     threads = [threading.Thread(target=caller, args=(i, tally, stop)) for i in range(CALLERS)]
     start, updated_at = time.monotonic(), float("inf")
     try:
         for thread in threads:
             thread.start()
         wait_for(lambda: tally.delivered > TARGET_SAMPLES * 0.2, 300, "the first samples")
-        kill_busiest_worker(client)
+        ray.kill(busiest_worker(client, preempted), no_restart=True)
         wait_for(lambda: tally.delivered > TARGET_SAMPLES * 0.4, 300, "samples after the first kill")
         rollout.update_weights(perturbed(model), version=1, mode="continue")
         updated_at = time.monotonic()
         wait_for(lambda: tally.delivered > TARGET_SAMPLES * 0.6, 300, "samples after the update")
-        kill_busiest_worker(client)
+        ray.get(busiest_worker(client, preempted).__ray_call__.remote(hang_next_step))
+        wait_for(lambda: tally.delivered > TARGET_SAMPLES * 0.8, 300, "samples after the hang")
+        ray.kill(busiest_worker(client, preempted), no_restart=True)
         wait_for(lambda: tally.delivered > TARGET_SAMPLES, 300, f"{TARGET_SAMPLES} samples")
     finally:
         stop.set()
@@ -135,13 +147,17 @@ def test_soak(model_dir):
                  60, "aborted samples to leave the workers")
         stats = client.stats()
         assert sorted(stats) == [0, 1]
+        for worker in stats:
+            ray.get(ray.get_actor(f"rollout-worker-{worker}", namespace="rollout").__ray_call__.remote(check_integrity))
         for s in stats.values():
             assert s["blocks_free"] + s["blocks_cached"] == s["blocks_total"] and s["cpu_blocks_used"] == 0
             assert s["policy_version"] == 1
-        assert sum(s["offloads"] for s in stats.values()) and sum(s["recomputes"] for s in stats.values())
+            preempted.update({k: s[k] for k in ("offloads", "recomputes")})
+        assert preempted["offloads"] and preempted["recomputes"], preempted
         again = rollout.sample(random_prompts(2, 512, (4, 8), seed=1), n=2, max_new_tokens=4).to_table()
         assert again.num_rows == 4
         print(f"soak: {tally.delivered} samples ({len(tally.complete)} complete calls, {len(tally.cancelled)} "
-              f"cancelled), 2 kills, {time.monotonic() - start:.0f} s")
+              f"cancelled), 2 kills, 1 hang, {preempted['offloads']} offloads, {preempted['recomputes']} recomputes, "
+              f"lost 0, duplicated 0, {time.monotonic() - start:.0f} s")
     finally:
         rollout.shutdown()
