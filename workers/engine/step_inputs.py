@@ -45,14 +45,7 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, 
     slots = tables.array[np.repeat(rows, counts), positions // bs].astype(np.int64) * bs + positions % bs
     seq_lens = starts + counts
     ends = np.flatnonzero(seq_lens == lengths)
-    unforked = [seqs[i] for i in ends.tolist() if len(seqs[i].sample_indices) > 1]
-    if unforked:
-        values, keys, logits_rows = expanded_rows([seqs[i] for i in ends.tolist()])
-        positions_of_rows = lengths[ends][logits_rows]
-    else:
-        values, keys, logits_rows = params.values[rows[ends]], params.keys[rows[ends]], np.arange(ends.size)
-        positions_of_rows = lengths[ends]
-    sampling, flags = sampling_arrays(values, keys, positions_of_rows)
+    sampling, flags, logits_rows = _sampling(seqs, ends, rows, lengths, params)
     cells, table_values = tables.take_changes()
     arrays = {"ids": np.array(_token_ids(seqs, starts, num_tokens, cu), np.int64), "positions": positions,
               "slots": slots, "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
@@ -61,7 +54,20 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, 
     if token_lengths:
         arrays["token_lengths"] = np.repeat(lengths, counts)
     return StepPlan(arrays, flags, logits_rows.size, width, int(counts.max()), int(seq_lens.max()),
-                    expand=bool(unforked))
+                    expand=logits_rows.size != ends.size)
+
+
+def _sampling(seqs: list[Sequence], ends: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+              params: RowParams) -> tuple[dict[str, np.ndarray], SamplingFlags, np.ndarray]:
+    """Sampling arrays and flags of the sequences `ends` (those that reach their end), and which of
+    their logits each sampling row reads: gathered by table row when each is one sample; an unforked
+    prompt has a row per wanted sample, all reading its logits."""
+    sampled = ends.tolist()
+    if any(len(seqs[i].sample_indices) > 1 for i in sampled):
+        values, keys, logits_rows = expanded_rows([seqs[i] for i in sampled])
+    else:
+        values, keys, logits_rows = params.values[rows[ends]], params.keys[rows[ends]], np.arange(ends.size)
+    return *sampling_arrays(values, keys, lengths[ends][logits_rows]), logits_rows
 
 
 def _token_ids(seqs: list[Sequence], starts: np.ndarray, num_tokens: list[int], cu: np.ndarray) -> list[int]:
