@@ -79,12 +79,13 @@ class WeightSync:
         `port` 0 picks a free port. `backend` defaults to "nccl" for CUDA engines and "gloo" otherwise. A
         collective that waits longer than `timeout_s` fails."""
         check_bucket_bytes(bucket_bytes)
-        world_size, backend = get_result(service.weight_group_spec.remote(backend))
-        host = host or ray.util.get_node_ip_address()
-        store = host_store(host, port, timeout_s)
-        joined = service.join_weight_group.remote(WeightGroup(host, store.port, world_size, backend, timeout_s))
-        group = open_group(store, 0, world_size, backend, host, timeout_s)  # returns once every worker joined
-        get_result(joined)
+        with service_calls(service):
+            world_size, backend = get_result(service.weight_group_spec.remote(backend))
+            host = host or ray.util.get_node_ip_address()
+            store = host_store(host, port, timeout_s)
+            joined = service.join_weight_group.remote(WeightGroup(host, store.port, world_size, backend, timeout_s))
+            group = open_group(store, 0, world_size, backend, host, timeout_s)  # returns once every worker joined
+            get_result(joined)
         return cls(service, store, group, backend, bucket_bytes)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "continue") -> None:
