@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict, deque
 from typing import Iterable
 
-import numpy as np
 import xxhash
 
 from workers.engine.sequence import Sequence
 
 
 def hash_block(parent: int, token_ids: list[int]) -> int:
-    """Chained hash of one complete block: its tokens and the hash of the block before it."""
-    data = parent.to_bytes(8, "little") + np.asarray(token_ids, dtype=np.int64).tobytes()
-    return xxhash.xxh3_64_intdigest(data)
+    """Chained hash of one complete block: its tokens (int64) after the hash of the block before it."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
 
 
 class BlockPool:
