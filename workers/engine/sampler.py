@@ -115,7 +115,9 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, width: int = 64) -> 
     chunk sums, then the token inside it, so only one full pass reads the probabilities.
     """
     rows, vocab = probs.shape
-    chunks = torch.nn.functional.pad(probs, (0, -vocab % width)).view(rows, -1, width)
+    if vocab % width:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % width))
+    chunks = probs.view(rows, -1, width)
     chunk_cdf = chunks.sum(dim=-1).double().cumsum(dim=-1)
     target = uniform[:, None] * chunk_cdf[:, -1:]
     j = torch.searchsorted(chunk_cdf, target, right=True).clamp(max=chunk_cdf.shape[1] - 1)
