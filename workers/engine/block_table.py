@@ -25,7 +25,7 @@ class BlockTables:
         self.array = self.host.numpy()
         self.written = np.zeros(max_rows, np.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.changed: list[int] = []
+        self.changed: list[np.ndarray] = []
 
     @property
     def max_blocks(self) -> int:
@@ -37,24 +37,26 @@ class BlockTables:
         also the widest of those rows and the sequences that took their row now."""
         lengths = np.array([len(seq.block_table) for seq in seqs], np.int64)
         rows = np.array([seq.row for seq in seqs], np.int64)
-        stale = np.flatnonzero((rows < 0) | (self.written[rows] != lengths)).tolist()
-        new = [seqs[i] for i in stale if seqs[i].row < 0]
+        stale = np.flatnonzero((rows < 0) | (self.written[rows] != lengths))
+        new = [seqs[i] for i in stale.tolist() if seqs[i].row < 0]
         if len(new) > len(self.free_rows):
             raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
         for seq in new:
             seq.row = self.free_rows.pop()
-        cells, values = [], []
-        for i in stale:
-            seq = seqs[i]
-            row = rows[i] = seq.row
-            start = int(self.written[row])
-            cells += range(row * self.max_blocks + start, row * self.max_blocks + len(seq.block_table))
-            values += seq.block_table[start:]
-            self.written[row] = len(seq.block_table)
-        if cells:
-            self.array.reshape(-1)[cells] = values
-            self.changed += cells
+        if stale.size:
+            self._write([seqs[i] for i in stale.tolist()], lengths[stale])
+            rows[stale] = [seqs[i].row for i in stale.tolist()]
         return rows, int(lengths.max()), new
+
+    def _write(self, seqs: list[Sequence], lengths: np.ndarray) -> None:
+        """Write the blocks of `seqs` (all holding rows) past what their rows hold, in one assignment."""
+        rows = np.array([seq.row for seq in seqs], np.int64)
+        starts, counts = self.written[rows], lengths - self.written[rows]
+        offsets = np.cumsum(counts) - counts
+        cells = np.repeat(rows * self.max_blocks + starts - offsets, counts) + np.arange(counts.sum())
+        self.array.reshape(-1)[cells] = [b for seq, a in zip(seqs, starts.tolist()) for b in seq.block_table[a:]]
+        self.written[rows] = lengths
+        self.changed.append(cells)
 
     def release(self, seq: Sequence) -> None:
         """Give the row of `seq` back (it no longer holds blocks)."""
@@ -65,7 +67,7 @@ class BlockTables:
 
     def take_changes(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat cell indices written since the last call, and their block ids."""
-        cells = np.array(self.changed, np.int64)
+        cells = np.concatenate(self.changed) if self.changed else np.zeros(0, np.int64)
         self.changed = []
         return cells, self.array.reshape(-1)[cells]
 

@@ -81,8 +81,8 @@ class Scheduler:
             restored = self._restore(batch, len(growing))[: budget - len(decodes)]
             decodes += restored
             growing += _growing(restored, self.block_size)
-        for seq in growing:
-            seq.block_table += self.pool.allocate(1)
+        for seq, block in zip(growing, self.pool.allocate(len(growing))):
+            seq.block_table.append(block)
         batch.seqs, batch.num_tokens = decodes, [1] * len(decodes)
         budget -= len(decodes)
         while True:
