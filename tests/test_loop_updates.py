@@ -71,3 +71,32 @@ def test_the_engine_is_built_on_the_loop_thread_and_its_errors_reach_the_caller(
 
     with pytest.raises(ValueError, match="no such model"):
         EngineLoop(broken, flush_rows=1, flush_delay_s=0.0)
+
+
+def test_rows_that_cannot_be_sent_fail_their_call_and_the_loop_serves_on(model_dir, monkeypatch):
+    """An error outside a step (here building a call's record batch) reaches the open calls at once
+    instead of ending the loop thread (which would leave every call waiting); later calls are served."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=1, flush_delay_s=0.0)
+    items: dict[str, list] = {"bad": [], "good": []}
+    done = {name: threading.Event() for name in items}
+
+    def emit(name: str):
+        def receive(item):
+            items[name].append(item)
+            if item is None or isinstance(item, BaseException):
+                done[name].set()
+        return receive
+
+    def unsendable(rows):
+        raise TypeError("cannot build the batch")
+
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    prompt = random_prompts(1, 512, (6, 6), seed=61)[0]
+    with monkeypatch.context() as patch:
+        patch.setattr("workers.loop.samples_to_batch", unsendable)
+        loop.open("bad", [PromptGroup(0, prompt, [0])], params, emit("bad")).result()
+        assert done["bad"].wait(30)
+    assert isinstance(items["bad"][-1], TypeError)
+    loop.open("good", [PromptGroup(0, prompt, [0])], params, emit("good")).result()
+    assert done["good"].wait(30) and items["good"][-1] is None
+    assert len(items["good"][0].to_pylist()[0]["token_ids"]) == 4

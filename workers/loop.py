@@ -104,12 +104,19 @@ class EngineLoop:
             return
         built.set_result(self.engine)
         while True:
-            busy = self._error is None and self.engine.has_unfinished()
-            self._run_commands(block=not busy)
-            if self._error is None and self.engine.has_unfinished():
-                self._step()
-            self._flush(time.monotonic())
+            try:
+                self._iterate()
+            except Exception as err:  # e.g. rows that cannot be sent: fail the calls, never end the thread
+                self._fail(err)
             self.ticks += 1
+
+    def _iterate(self) -> None:
+        """Run the queued commands, one step when there is work, then send what is due."""
+        busy = self._error is None and self.engine.has_unfinished()
+        self._run_commands(block=not busy)
+        if self._error is None and self.engine.has_unfinished():
+            self._step()
+        self._flush(time.monotonic())
 
     def _run_commands(self, block: bool) -> None:
         """Run the queued commands; wait for the first one when the engine has nothing to do."""
@@ -156,8 +163,8 @@ class EngineLoop:
             call.remaining -= 1
 
     def _fail(self, err: Exception) -> None:
-        """A step raised: fail every open call and abort its requests. The engine keeps serving only if
-        its block accounting still balances; otherwise every later call is refused."""
+        """A step (or sending rows) raised: fail every open call and abort its requests. The engine keeps
+        serving only if its block accounting still balances; otherwise every later call is refused."""
         for call in self._calls.values():
             call.emit(err)
         try:
