@@ -106,7 +106,7 @@ class EngineLoop:
         while True:
             try:
                 self._iterate()
-            except Exception as err:  # e.g. rows that cannot be sent: fail the calls, never end the thread
+            except Exception as err:  # a step, or rows that cannot be sent: fail the calls, keep the thread
                 self._fail(err)
             self.ticks += 1
 
@@ -115,7 +115,7 @@ class EngineLoop:
         busy = self._error is None and self.engine.has_unfinished()
         self._run_commands(block=not busy)
         if self._error is None and self.engine.has_unfinished():
-            self._step()
+            self._deliver(self.engine.step(), time.monotonic())
         self._flush(time.monotonic())
 
     def _run_commands(self, block: bool) -> None:
@@ -134,14 +134,6 @@ class EngineLoop:
                 item = self._commands.get_nowait()
         except queue.Empty:
             pass
-
-    def _step(self) -> None:
-        try:
-            rows = self.engine.step()
-        except Exception as err:
-            self._fail(err)
-            return
-        self._deliver(rows, time.monotonic())
 
     def _deliver_now(self, rows: list[dict]) -> None:
         """Hand rows to their calls and flush what is due, from inside a long engine call (each step of a

@@ -38,20 +38,21 @@ class BlockTables:
         lengths = np.array([len(seq.block_table) for seq in seqs], np.int64)
         rows = np.array([seq.row for seq in seqs], np.int64)
         stale = np.flatnonzero((rows < 0) | (self.written[rows] != lengths))
-        new = [seqs[i] for i in stale.tolist() if seqs[i].row < 0]
+        stale_seqs = [seqs[i] for i in stale.tolist()]
+        new = [seq for seq in stale_seqs if seq.row < 0]
         if len(new) > len(self.free_rows):
             raise RuntimeError("no free block-table row: more running sequences than max_num_seqs")
         for seq in new:
             seq.row = self.free_rows.pop()
-        if stale.size:
-            self._write([seqs[i] for i in stale.tolist()], lengths[stale])
-            rows[stale] = [seqs[i].row for i in stale.tolist()]
+        if stale_seqs:
+            rows[stale] = [seq.row for seq in stale_seqs]
+            self._write(stale_seqs, rows[stale], lengths[stale])
         return rows, int(lengths.max()), new
 
-    def _write(self, seqs: list[Sequence], lengths: np.ndarray) -> None:
-        """Write the blocks of `seqs` (all holding rows) past what their rows hold, in one assignment."""
-        rows = np.array([seq.row for seq in seqs], np.int64)
-        starts, counts = self.written[rows], lengths - self.written[rows]
+    def _write(self, seqs: list[Sequence], rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Write the blocks of `seqs` (at their `rows`) past what those rows hold, in one assignment."""
+        starts = self.written[rows]
+        counts = lengths - starts
         offsets = np.cumsum(counts) - counts
         cells = np.repeat(rows * self.max_blocks + starts - offsets, counts) + np.arange(counts.sum())
         self.array.reshape(-1)[cells] = [b for seq, a in zip(seqs, starts.tolist()) for b in seq.block_table[a:]]

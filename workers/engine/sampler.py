@@ -170,8 +170,8 @@ def sampling_arrays(values: np.ndarray, keys: np.ndarray,
 
 def _flags(values: np.ndarray) -> SamplingFlags:
     """The flags of rows `values`, from their distinct parameter sets (usually one per step)."""
-    uniform = values.size == 0 or bool((values == values[0]).all())
-    distinct = set(map(tuple, (values[:1] if uniform else values).tolist()))
+    same = values.size == 0 or bool((values == values[0]).all())
+    distinct = set(map(tuple, (values[:1] if same else values).tolist()))
     greedy = [v[0] == 0 for v in distinct]
     return SamplingFlags(scale=any(v[0] not in (0, 1) for v in distinct),
                          max_top_k=int(max((v[1] for v in distinct), default=0)),

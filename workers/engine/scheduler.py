@@ -297,5 +297,6 @@ class Scheduler:
 
 
 def _growing(decodes: list[Sequence], block_size: int) -> list[Sequence]:
-    """The decoding sequences whose next token starts a new block."""
+    """The decoding sequences whose next token starts a new block (`_blocks_needed(seq, 1) > 0`, written
+    out: it runs for every decode of every step)."""
     return [seq for seq in decodes if seq.num_computed_tokens >= len(seq.block_table) * block_size]
