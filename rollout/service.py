@@ -96,7 +96,7 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
     """Start the service actor named `config.name` in `config.namespace` and wait until it is ready.
     A detached service outlives the driver that started it (`rollout serve --detach`), and Ray restarts it
     whenever it dies other than by `stop` (its calls in flight fail; see `RolloutService`)."""
-    if _name_taken(config.name, config.namespace):  # before start_keeper replaces a running service's keeper
+    if actor_exists(config.name, config.namespace):  # before start_keeper replaces a running service's keeper
         raise ValueError(f"a rollout service named {config.name!r} already runs in namespace "
                          f"{config.namespace!r}; stop it first (`rollout stop`)")
     keeper = start_keeper(config) if detached else None
@@ -114,7 +114,8 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
     return service
 
 
-def _name_taken(name: str, namespace: str) -> bool:
+def actor_exists(name: str, namespace: str) -> bool:
+    """True while an actor of this name lives in `namespace` (Ray frees a name some time after a kill)."""
     try:
         ray.get_actor(name, namespace=namespace)
         return True

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 
 from rollout.config import load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
-from rollout.service import stop
+from rollout.service import actor_exists, stop
 from rollout.service_lost import ServiceUnavailable
 from rollout.weight_keeper import stop_keeper
 from tests.conftest import hf_greedy, hf_model, random_prompts
@@ -129,14 +129,6 @@ class Call(threading.Thread):
             self.error = err
 
 
-def exists(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        return True
-    except ValueError:
-        return False
-
-
 def assert_logged(message: str) -> None:
     """`message` appears in a log file of this Ray session (the service's stderr lands there)."""
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
@@ -226,7 +218,7 @@ def test_rollout_stop_ends_it_for_good(service, model_dir):
     client = RolloutClient(service)
     assert f"rollout service {NAME!r} stopped" in cli(["stop"], model_dir("qwen3"))
     deadline = time.monotonic() + 30
-    while left := [name for name in [NAME, KEEPER, *WORKERS] if exists(name)]:
+    while left := [name for name in [NAME, KEEPER, *WORKERS] if actor_exists(name, NAMESPACE)]:
         assert time.monotonic() < deadline, f"still running after `rollout stop`: {left}"
         time.sleep(0.2)
     for call in [client.stats, lambda: client.update_weights(model_dir("qwen3", seed=1), version=8),
