@@ -1,0 +1,248 @@
+"""GPU rollout benchmark: this engine against transformers' continuous batching (`generate_batch`), in one run.
+
+Models: random-weight bf16 models built from configs shaped like Qwen3-1.7B and Llama-3.1-8B (no download,
+no tokenizer: prompts are random token ids), saved once as safetensors under --cache-dir and reused
+(about 4 and 16 GB of disk).
+
+Workloads (those of transformers' own continuous-batching benchmark, with n = 8 and offload for rollouts):
+  multi_return_seq  50 prompts x 256 tokens, n = 8, 256 new tokens, sampling (temperature 1)
+  few_blocks        20 prompts x 256 tokens, 256 new tokens, greedy, a KV cache of 4096 tokens: transformers'
+                    16 blocks of 256-token pages, the engine's 256 blocks of 16 tokens
+  rollouts_N        32 prompts x 256 tokens, n = 8, N new tokens (N = 1024, 2048, 4096, 8192, 16384),
+                    sampling, CPU offload of --offload-gib GiB on both sides
+  decode            decode-step time against the memory roofline (below)
+eos is ignored everywhere (transformers' benchmark does the same with eos_token_id=-1), so every system
+generates exactly prompts x n x new tokens.
+
+Systems, one at a time on the card, each loading the model afresh for each workload:
+  engine-on        this engine, EngineConfig(cuda_graphs=(False, True), async_batching=True)
+  engine-off       this engine, cuda_graphs=(False, False), async_batching=False (on a branch without
+                   those fields it runs as it is: it has neither)
+  hf-default       model.generate_batch, ContinuousBatchingConfig defaults (+ the workload's cache/offload)
+  hf-graphs-async  the same with use_cuda_graph=True (varlen and decode paths) and use_async_batching=True
+A variant whose option this branch or this transformers lacks is reported unavailable, not run.
+
+Printed per model and workload: tokens/s (generated tokens over the generation's time: the engine's
+`generate` call; transformers' first request created to last request finished), each engine's ratio to
+each transformers variant, start-up seconds (engine: construction = load, KV sizing, warm-up and graph
+capture, plus a 2-prompt warm-up call; "capture" is the runner's `graph_capture_s` where it reports one;
+transformers: model load plus the rest of the call: cache allocation and its graph warm-up) and the
+engine's preemptions. Target: this engine (engine-on) at least 2x every transformers variant.
+
+decode: a fresh engine per variant gets --decode-seqs prompts of --decode-context random tokens and steps
+until every sequence decodes; then --decode-steps calls of engine.step() are timed as one block between
+two torch.cuda.synchronize() (none inside, so async batching overlaps as in a real run). The roofline is
+the bytes one step must read, every weight once (an untied input embedding excepted: a step reads one row
+per sequence) plus every sequence's KV at the block's mean length, over the card's copy bandwidth measured
+at the start of the run (1 GiB device-to-device copies, bytes read + written per second). Target: >= 60%.
+
+Time: a device call may run 600 s. The defaults (qwen3-1.7b; decode, multi_return_seq, few_blocks,
+rollouts_1024) are meant to fit one call (not yet timed on a GPU); --budget-s starts no run after that many
+seconds (the rest are marked skipped). The full run needs several calls, for example:
+  --models qwen3-1.7b --workloads rollouts_2048 rollouts_4096
+  --models qwen3-1.7b --workloads rollouts_8192 --systems engine-on hf-default   (and so on per system)
+  --models llama-3.1-8b --workloads decode multi_return_seq few_blocks
+  --models llama-3.1-8b --workloads rollouts_1024 ...
+Results go to --json after every run (default $OUT/bench_gpu.json when $OUT is set), so a call cut short
+keeps what finished. --smoke runs a tiny model and tiny workloads on the CPU in float32: every path but the
+CUDA-only ones (graph capture, transformers' async batching and pinned offload); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu_runs as runs  # noqa: E402
+from bench_gpu_runs import ENGINE_SYSTEMS, HF_SYSTEMS, MODELS, WORKLOADS  # noqa: E402
+
+SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS
+ITEMS = ("decode", *WORKLOADS)
+DEFAULTS = {"models": ["qwen3-1.7b"], "workloads": ["decode", "multi_return_seq", "few_blocks", "rollouts_1024"]}
+SMOKE = dict(device="cpu", dtype="float32", models=["tiny"], engine_extra={"kv_cache_memory_gib": 0.05},
+             hf_extra={"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256}, offload_gib=0.01,
+             decode_seqs=16, decode_context=32, decode_steps=8)
+TARGET_RATIO, TARGET_ROOFLINE = 2.0, 0.6
+CACHE = "/tmp/bench_gpu_models"
+WORKLOAD_ROW = "{:<17}{:>10}{:>15}{:>20}{:>12}{:>11}{:>11}  {}"
+DECODE_ROW = "{:<17}{:>9}{:>12}{:>12}{:>13}{:>13}  {}"
+
+
+def parse_args() -> argparse.Namespace:
+    """Options, checked before any work; --smoke replaces the device, model and sizes."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if m != "tiny"],
+                        help=f"models to run (default {' '.join(DEFAULTS['models'])})")
+    parser.add_argument("--workloads", nargs="+", choices=[*ITEMS, "all"],
+                        help=f"workloads to run, 'all' for every one (default {' '.join(DEFAULTS['workloads'])})")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems (default all)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("BENCH_GPU_CACHE", CACHE)),
+                        help=f"where the random models are saved and reused ($BENCH_GPU_CACHE, else {CACHE})")
+    parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "bench_gpu.json",
+                        help="results file, rewritten after every run (default $OUT/bench_gpu.json, else /tmp/...)")
+    parser.add_argument("--offload-gib", type=float, default=16.0, help="CPU offload pool of rollouts_N (default 16)")
+    parser.add_argument("--decode-seqs", type=int, default=256, help="sequences of the decode probe (default 256)")
+    parser.add_argument("--decode-context", type=int, default=1024, help="their prompt length (default 1024)")
+    parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed (default 32)")
+    parser.add_argument("--budget-s", type=float, help="start no run after this many seconds (default: no limit)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (float32)")
+    args = parser.parse_args()
+    if args.smoke and args.models:
+        parser.error("--smoke runs the tiny model only; drop --models")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False); --smoke runs on the CPU")
+    for name in ("offload_gib", "decode_seqs", "decode_context", "decode_steps"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+    items = args.workloads or DEFAULTS["workloads"]
+    args.workloads = list(ITEMS) if "all" in items else list(dict.fromkeys(items))
+    args.models = args.models or DEFAULTS["models"]
+    vars(args).update(device="cuda", dtype="bfloat16", engine_extra={}, hf_extra={})
+    if args.smoke:
+        vars(args).update(SMOKE)
+    args.torch_dtype = getattr(torch, args.dtype)
+    args.workload_defs = {k: runs.smoke_workload(w) if args.smoke else w for k, w in WORKLOADS.items()}
+    return args
+
+
+def run_one(model: str, path: Path, item: str, system: str, args: argparse.Namespace) -> dict:
+    """One system on one workload (or the decode probe): a result row, never an exception."""
+    row = {"model": model, "workload": item, "system": system}
+    is_engine = system in ENGINE_SYSTEMS
+    options, note = runs.engine_options(system) if is_engine else runs.hf_options(system, args.device)
+    if options is None:
+        return {**row, "status": note}
+    if args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s:
+        return {**row, "status": f"skipped: past --budget-s {args.budget_s:g}"}
+    try:
+        if item == "decode":
+            result = runs.decode_probe(path, options, args)
+        else:
+            w = args.workload_defs[item]
+            prompts = runs.make_prompts(w.prompts, w.prompt_len, MODELS[model][1]["vocab_size"])
+            result = (runs.run_engine if is_engine else runs.run_hf)(path, w, prompts, options, args)
+            if "status" not in result:
+                result["tokens_per_s"] = result["tokens"] / result["seconds"]
+                made = result["tokens"]
+                result["status"] = "ok" if made == w.tokens else f"failed: made {made} of {w.tokens} tokens"
+    except Exception as err:  # one failed run must not lose the others' results on a lent GPU
+        traceback.print_exc()
+        result = {"status": f"failed: {type(err).__name__}: {err}"}
+    runs.free_memory(args.device)
+    if args.device.startswith("cuda"):
+        result["leftover_gib"] = torch.cuda.memory_allocated() / 2**30
+    notes = "; ".join(x for x in (note, result.pop("note", "")) if x)
+    return {**row, **result, "note": notes}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """`value` formatted, or '-' when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def print_workload(model: str, item: str, rows: list[dict], args: argparse.Namespace) -> str:
+    """The table of one model and workload; returns its target line."""
+    print(f"\n{model} / {item}: {args.workload_defs[item].describe()}")
+    print(WORKLOAD_ROW.format("system", "tokens/s", "vs hf-default", "vs hf-graphs-async", "start-up s",
+                              "capture s", "preempted", "status"))
+    peers = {r["system"]: r["tokens_per_s"] for r in rows if r["system"] in HF_SYSTEMS and r["status"] == "ok"}
+    for r in rows:
+        ok, is_engine = r["status"] == "ok", r["system"] in ENGINE_SYSTEMS
+        ratios = [fmt(r["tokens_per_s"] / peers[s], ".2f") + "x" if ok and is_engine and s in peers else "-"
+                  for s in HF_SYSTEMS]
+        pre = r.get("preemptions")
+        print(WORKLOAD_ROW.format(r["system"], fmt(r.get("tokens_per_s"), ".0f"), *ratios,
+                                  fmt(r.get("startup_s"), ".1f"), fmt(r.get("graph_capture_s"), ".1f"),
+                                  pre["offloads"] + pre["recomputes"] if pre else "-", status(r)))
+    best = best_engine(rows)
+    if best is None or not peers:
+        return f"{model} / {item}: >= {TARGET_RATIO:g}x transformers: not measured"
+    ratio = min(best["tokens_per_s"] / v for v in peers.values())
+    verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
+    return (f"{model} / {item}: {best['system']} >= {TARGET_RATIO:g}x every transformers variant run "
+            f"({', '.join(peers)}): {verdict} (lowest {ratio:.2f}x)")
+
+
+def print_decode(model: str, rows: list[dict], copy_gbs: float) -> str:
+    """The decode-step table of one model; returns its target line."""
+    first = next((r for r in rows if r["status"] == "ok"), None)
+    shape = f"{first['seqs']} sequences, {first['context']:.0f} tokens of context on average" if first else ""
+    print(f"\n{model} / decode: {shape}; copy bandwidth {copy_gbs:.0f} GB/s")
+    print(DECODE_ROW.format("system", "ms/step", "weights GB", "KV GB/step", "roofline ms", "of roofline", "status"))
+    for r in rows:
+        if r["status"] == "ok":
+            r["roofline_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy_gbs * 1e9) * 1e3
+            r["roofline_share"] = r["roofline_ms"] / r["ms_per_step"]
+        gb = [fmt(r[k] / 1e9, ".2f") if k in r else "-" for k in ("weight_bytes", "kv_bytes")]
+        share = fmt(100 * r["roofline_share"], ".0f") + "%" if "roofline_share" in r else "-"
+        print(DECODE_ROW.format(r["system"], fmt(r.get("ms_per_step"), ".2f"), *gb, fmt(r.get("roofline_ms"), ".2f"),
+                                share, status(r)))
+    best = best_engine(rows)
+    if best is None:
+        return f"{model} / decode: >= {TARGET_ROOFLINE:.0%} of the roofline: not measured"
+    verdict = "met" if best["roofline_share"] >= TARGET_ROOFLINE else "MISSED"
+    return (f"{model} / decode: {best['system']} step >= {TARGET_ROOFLINE:.0%} of the roofline: {verdict} "
+            f"({best['roofline_share']:.0%})")
+
+
+def best_engine(rows: list[dict]) -> dict | None:
+    """The row the targets judge: engine-on where it ran, else engine-off."""
+    return next((r for s in ENGINE_SYSTEMS for r in rows if r["system"] == s and r["status"] == "ok"), None)
+
+
+def status(row: dict) -> str:
+    """A row's status and its notes."""
+    return row["status"] + (f" ({row['note']})" if row.get("note") else "")
+
+
+def device_name(device: str) -> str:
+    """The card's name, or the CPU's."""
+    return torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+
+
+def main() -> None:
+    """Measure the copy bandwidth, run every model x workload x system, print the tables and targets."""
+    args = parse_args()
+    args.t0 = time.perf_counter()
+    if args.smoke:
+        torch.set_num_threads(1)  # a shared 2-core CI box: two OpenMP threads wait on each other (100x slower)
+    state = {"device": device_name(args.device), "torch": torch.__version__, "transformers": transformers.__version__,
+             "smoke": args.smoke, "copy_gbs": runs.copy_bandwidth(args.device), "runs": [], "targets": []}
+    print(f"{state['device']}: torch {torch.__version__}, transformers {transformers.__version__}, {args.dtype}; "
+          f"copy bandwidth {state['copy_gbs']:.0f} GB/s")
+    plan = [(m, i, s) for m in args.models for i in args.workloads for s in args.systems
+            if i != "decode" or s in ENGINE_SYSTEMS]
+    bar = tqdm(total=len(plan), desc="runs", disable=not args.progress)
+    for model in args.models:
+        path = runs.prepare_model(args.cache_dir, model, args.torch_dtype, args.device)
+        for item in args.workloads:
+            rows = []
+            for m, i, system in plan:
+                if (m, i) == (model, item):
+                    bar.set_postfix_str(f"{model} {item} {system}")
+                    rows.append(run_one(model, path, item, system, args))
+                    bar.update()
+            line = (print_decode(model, rows, state["copy_gbs"]) if item == "decode"
+                    else print_workload(model, item, rows, args))
+            state["runs"] += rows
+            state["targets"].append(line)
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(state, indent=1))
+    bar.close()
+    print("\ntargets:\n" + "\n".join(state["targets"]) + f"\nresults: {args.json}")
+    sys.exit(1 if any(r["status"].startswith("failed") for r in state["runs"]) else 0)
+
+
+if __name__ == "__main__":
+    main()

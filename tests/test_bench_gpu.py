@@ -1,0 +1,74 @@
+"""scripts/bench_gpu.py --smoke end to end on the CPU: a table per workload with a row per system and the
+status this branch and device should give, every run that finished generated exactly its workload's
+tokens, and a bad option is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from rollout.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = re.compile(r"^(\S+) / (\S+): (.*)$")
+ROW = re.compile(r"^(\S+)\s.*?\s{2}((?:ok|unavailable|failed|skipped)\b.*)$")
+SIZES = re.compile(r"(\d+) prompts x \d+ tokens, n=(\d+), (\d+) new tokens")
+
+
+def bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run the script in a child process with its model cache under `tmp_path`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "BENCH_GPU_CACHE": str(tmp_path / "models")}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def tables(stdout: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """{workload: (its description line, {system: status})} from the printed tables (the summary of
+    targets after them excluded)."""
+    out, current = {}, None
+    for line in stdout.split("\ntargets:\n")[0].splitlines():
+        if match := TABLE.match(line):
+            current = out[match[2]] = (match[3], {})
+        elif current and (match := ROW.match(line)):
+            current[1][match[1]] = match[2]
+        elif not line.strip():
+            current = None
+    return out
+
+
+def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
+    results = tmp_path / "bench.json"
+    proc = bench(tmp_path, "--smoke", "--no-progress", "--json", str(results))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    printed = tables(proc.stdout)
+    assert list(printed) == ["decode", "multi_return_seq", "few_blocks", "rollouts_1024"]
+    engine_on = "ok" if {"cuda_graphs", "async_batching"} & set(EngineConfig.__struct_fields__) else "unavailable"
+    for workload, (_, rows) in printed.items():
+        hf = {} if workload == "decode" else {"hf-default": "ok", "hf-graphs-async": "unavailable"}  # CPU
+        expected = {"engine-on": engine_on, "engine-off": "ok", **hf}
+        assert {system: status.split(":")[0].split(" ")[0] for system, status in rows.items()} == expected, rows
+
+    runs = json.loads(results.read_text())["runs"]
+    assert len(runs) == sum(len(rows) for _, rows in printed.values())
+    for run in runs:
+        if run["status"] != "ok":
+            continue
+        if run["workload"] == "decode":
+            assert run["seqs"] == 16 and run["context"] > 32 and run["ms_per_step"] > 0
+            assert 0 < run["roofline_share"] == run["roofline_ms"] / run["ms_per_step"]
+        else:
+            prompts, n, new = map(int, SIZES.search(printed[run["workload"]][0]).groups())
+            assert run["tokens"] == prompts * n * new, run
+            assert run["tokens_per_s"] > 0 and run["startup_s"] > 0
+
+
+def test_a_bad_workload_is_refused_before_any_work(tmp_path):
+    results = tmp_path / "bench.json"
+    proc = bench(tmp_path, "--smoke", "--workloads", "rollouts_999", "--json", str(results))
+    assert proc.returncode == 2 and "rollouts_999" in proc.stderr
+    assert not results.exists() and not (tmp_path / "models").exists()
