@@ -116,14 +116,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_one(model: str, path: Path, item: str, system: str, args: argparse.Namespace) -> dict:
+def run_one(model: str, path: Path | None, item: str, system: str, args: argparse.Namespace) -> dict:
     """One system on one workload (or the decode probe): a result row, never an exception."""
     row = {"model": model, "workload": item, "system": system}
     is_engine = system in ENGINE_SYSTEMS
     options, note = runs.engine_options(system) if is_engine else runs.hf_options(system, args.device)
     if options is None:
         return {**row, "status": note}
-    if args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s:
+    if past_budget(args):
         return {**row, "status": f"skipped: past --budget-s {args.budget_s:g}"}
     try:
         if item == "decode":
@@ -144,6 +144,11 @@ def run_one(model: str, path: Path, item: str, system: str, args: argparse.Names
         result["leftover_gib"] = torch.cuda.memory_allocated() / 2**30
     notes = "; ".join(x for x in (note, result.pop("note", "")) if x)
     return {**row, **result, "note": notes}
+
+
+def past_budget(args: argparse.Namespace) -> bool:
+    """True once --budget-s seconds have passed since the start: no further run (or model build) starts."""
+    return args.budget_s is not None and time.perf_counter() - args.t0 > args.budget_s
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -225,7 +230,7 @@ def main() -> None:
             if i != "decode" or s in ENGINE_SYSTEMS]
     bar = tqdm(total=len(plan), desc="runs", disable=not args.progress)
     for model in args.models:
-        path = runs.prepare_model(args.cache_dir, model, args.torch_dtype, args.device)
+        path = None if past_budget(args) else runs.prepare_model(args.cache_dir, model, args.torch_dtype, args.device)
         for item in args.workloads:
             rows = []
             for m, i, system in plan:
