@@ -5,7 +5,12 @@
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
 #     step makes exactly one host sync (torch's sync debug mode), and automatic KV sizing stays within
 #     the card's budget (tests/test_gpu_step.py);
-#   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth.
+#   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
+#   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
+#     model (its default set; results in $OUT/bench_gpu.json). It starts no run once GPU_CHECK_BUDGET_S
+#     (default 450) seconds have passed since this script began, so the whole check fits one 600 s device
+#     call; BENCH_GPU_ARGS adds or replaces its options (e.g. "--workloads rollouts_2048"), SKIP_BENCH_GPU=1
+#     leaves it out. The random models are saved once under $BENCH_GPU_CACHE (default /tmp/bench_gpu_models).
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec: copy its wheel into the
 # ignored folder .whl/ first and carry it with the device call, e.g.
 #   mkdir -p .whl && cp ../shared/wheels/msgspec-*.whl .whl/      # then run with carry [".whl"]
@@ -28,5 +33,13 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/
 tests_rc=${PIPESTATUS[0]}
 python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}
-echo "pytest exit $tests_rc, benchmark exit $bench_rc"
-exit $((tests_rc || bench_rc))
+gpu_rc=0
+if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
+    budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
+    # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
+    python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" --budget-s $(( budget > 0 ? budget : 0 )) \
+        ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+    gpu_rc=${PIPESTATUS[0]}
+fi
+echo "pytest exit $tests_rc, bench_attention exit $bench_rc, bench_gpu exit $gpu_rc"
+exit $((tests_rc || bench_rc || gpu_rc))
