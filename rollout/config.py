@@ -32,6 +32,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `trust_remote_code` lets transformers run Python code shipped with the model (config.json `auto_map`);
     off by default, as that code runs with the worker's rights. `check_integrity` asserts the block
     accounting after every step (slow: for tests and soak runs); a broken invariant fails the step.
+
+    `cuda_graphs` is `(varlen, decode)`, as in transformers #45323: which steps replay CUDA graphs. None
+    means decode graphs on CUDA and none on the CPU. Decode graphs are captured at start for each padded
+    batch size and KV-length bucket; on the CPU, `(False, True)` runs the same padded static-buffer step
+    eagerly, with no capture (how the tests cover it). Varlen graphs (prefill and mixed steps) are not
+    supported: a True first flag is refused.
     """
 
     model: str
@@ -49,6 +55,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     check_integrity: bool = False
+    cuda_graphs: tuple[bool, bool] | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -60,6 +67,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")
         if self.gpu_memory_utilization > 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r} must be <= 1")
+        _check_cuda_graphs(self.cuda_graphs)
 
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
@@ -126,6 +134,17 @@ def _bound(struct: msgspec.Struct, op: str, bound: float, *names: str) -> None:
         value = getattr(struct, name)
         if value is not None and not (value >= bound if op == ">=" else value > bound):
             raise ValueError(f"{type(struct).__name__}.{name}={value!r} must be {op} {bound}")
+
+
+def _check_cuda_graphs(value: object) -> None:
+    """ValueError unless `value` is None or a (varlen, decode) pair of bools with varlen off."""
+    if value is None:
+        return
+    if not (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, bool) for v in value)):
+        raise ValueError(f"EngineConfig.cuda_graphs={value!r} must be None or a tuple (varlen, decode) of two bools")
+    if value[0]:
+        raise ValueError(f"EngineConfig.cuda_graphs={value!r}: varlen graphs (the first flag) are not supported; "
+                         "use (False, True) for decode graphs, or None")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], struct: str = "EngineConfig") -> None:

@@ -38,6 +38,10 @@ BAD_ENGINE_CONFIG = {
                        words.filter(lambda w: w not in (*DTYPES, "cpu", "cuda", *ATTENTION_BACKENDS))),
     "flag not a bool": (st.sampled_from(["trust_remote_code", "enable_prefix_caching"]), st.integers() | st.none()),
     "model path not a string": (st.just("model"), st.integers() | st.none() | st.lists(st.text(), max_size=1)),
+    "graph flags not a (varlen, decode) pair of bools": (
+        st.just("cuda_graphs"), st.integers() | st.text(max_size=3) | st.lists(st.booleans(), max_size=3)
+        | st.tuples(st.integers(), st.integers()) | st.tuples(st.booleans()) | st.tuples(*[st.booleans()] * 3)),
+    "varlen graphs": (st.just("cuda_graphs"), st.tuples(st.just(True), st.booleans())),
 }
 
 

@@ -55,6 +55,15 @@ def test_greedy_matches_generate(references, arch, block_size):
     assert_greedy_parity(engine, prompts, expected)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_generate_through_decode_graphs(references, arch):
+    """Decode steps through the padded static-buffer path of decode graphs (run eagerly on the CPU)."""
+    path, prompts, expected = references(arch)
+    engine = make_engine(path, num_blocks=256, max_batch_tokens=48, cuda_graphs=(False, True))
+    assert_greedy_parity(engine, prompts, expected)
+    assert engine.runner.graphs.replays >= MAX_NEW - 1
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -15,16 +15,19 @@ pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET"
                                 reason="Triton needs CUDA or its interpreter")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_triton_engine_matches_torch_engine(model_dir, arch):
+@pytest.mark.parametrize("arch, graphs", [("qwen3", (False, False)), ("mistral", (False, False)),
+                                          ("mistral", (False, True))], ids=["qwen3", "mistral", "mistral-graphs"])
+def test_triton_engine_matches_torch_engine(model_dir, arch, graphs):
+    """Also with decode graphs (captured on a GPU): padded decode steps through the Triton kernels."""
     path = model_dir(arch)
     prompts = random_prompts(4, 512, (5, 30), seed=40)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
     config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")
     want = run(make_engine(path, attention_backend="torch", **config), prompts, params)
-    engine = make_engine(path, attention_backend="triton", **config)
+    engine = make_engine(path, attention_backend="triton", cuda_graphs=graphs, **config)
     assert type(engine.runner.backend).__name__ == "TritonBackend"
     got = run(engine, prompts, params)
+    assert (engine.runner.graphs.replays > 0) if graphs[1] else engine.runner.graphs is None
     for key in want:
         assert got[key]["token_ids"] == want[key]["token_ids"]
         assert got[key]["logprobs"] == pytest.approx(want[key]["logprobs"], abs=1e-4)

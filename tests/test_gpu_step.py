@@ -1,4 +1,5 @@
-"""The GPU-shaped step on a real GPU: one host sync per decode step, automatic sizing within the
+"""The GPU-shaped step on a real GPU: one host sync per decode step (eager and through decode graphs),
+decode graphs captured at start and replaying like the eager forward, automatic sizing within the
 card's budget, and an exact-size pinned CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig
-from tests.conftest import ON_GPU, random_prompts
+from tests.conftest import ON_GPU, make_engine, random_prompts, run
+from tests.test_decode_graphs import ENGINE, PARAMS, PROMPTS, checking_replays
 from workers.engine import Engine
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -31,8 +33,9 @@ def decode_syncs(engine: Engine, steps: int) -> list[int]:
     return counts
 
 
-def test_one_sync_per_decode_step(model_dir):
-    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=16))
+@pytest.mark.parametrize("graphs", [(False, False), (False, True)], ids=["eager", "graphs"])
+def test_one_sync_per_decode_step(model_dir, graphs):
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=16, cuda_graphs=graphs))
     for i, prompt in enumerate(random_prompts(6, 512, (5, 40), seed=3)):
         params = SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9, top_k=20, max_new_tokens=64,
                                 seed=i, ignore_eos=True)
@@ -41,8 +44,30 @@ def test_one_sync_per_decode_step(model_dir):
         engine.step()
     for _ in range(3):  # staging buffers and allocator pools warm
         engine.step()
+    replays = engine.runner.graphs.replays if graphs[1] else 0
     assert decode_syncs(engine, 8) == [1] * 8
+    assert (engine.runner.graphs.replays == replays + 8) if graphs[1] else engine.runner.graphs is None
     engine.check_integrity()
+
+
+def test_decode_graphs_are_captured_at_start(model_dir):
+    """The default on CUDA: one graph per (batch bucket, KV bucket), captured before the first step."""
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=40, max_model_len=1024))
+    graphs = engine.runner.graphs
+    assert graphs.batch_sizes == [1, 2, 4, 8, 16, 32, 40] and graphs.kv_sizes == [1024]
+    assert sorted(graphs.graphs) == [(b, 1024) for b in graphs.batch_sizes]
+    assert all(isinstance(entry.graph, torch.cuda.CUDAGraph) for entry in graphs.graphs.values())
+    assert engine.runner.graph_capture_s > 0 and graphs.replays == 0
+
+
+def test_captured_replays_equal_eager(model_dir):
+    """float32 on the GPU: every decode step's captured replay equals its eager forward, writes only its
+    own slots, and leaves the static buffers padded; across two KV buckets."""
+    engine = make_engine(model_dir("qwen3", max_position_embeddings=2048), device="cuda", **ENGINE)
+    checks = checking_replays(engine)
+    run(engine, PROMPTS, PARAMS)
+    assert checks and all(ok for _, _, ok in checks), [c for c in checks if not c[2]]
+    assert {kv for (_, kv), _, _ in checks} == {1024, 2048}
 
 
 def test_automatic_size_stays_within_the_cards_budget(model_dir):

@@ -14,6 +14,7 @@ import torch
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
+from workers.engine import Engine
 
 ACCEPTED = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "olmo2",
             "stablelm", "cohere", "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon", "gemma", "phi",
@@ -70,17 +71,31 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]
 
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_accepted_model_is_exact(zoo_dir, name):
-    path = zoo_dir(name)
+    assert_exact(zoo_dir(name))
+
+
+@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3_text", "mixtral", "gpt2"])
+def test_accepted_model_is_exact_through_decode_graphs(zoo_dir, name):
+    """Per-sequence LongRoPE, mixed window layers, MoE experts and learned positions through the padded
+    static-buffer decode step (run eagerly on the CPU)."""
+    engine = assert_exact(zoo_dir(name), cuda_graphs=(False, True))
+    assert engine.runner.graphs.replays > 0
+
+
+def assert_exact(path: str, **config) -> Engine:
+    """A batch of short and long prompts (the long ones chunked) gives `generate`'s greedy tokens, with
+    the logprobs of a plain forward; returns the engine."""
     prompts = prompts_of(PROMPT_LENGTHS)
     model = hf_model(path)
     expected = greedy_references(model, prompts)
-    engine = make_engine(path, block_size=8, max_batch_tokens=16, max_num_seqs=8)
+    engine = make_engine(path, block_size=8, max_batch_tokens=16, max_num_seqs=8, **config)
     rows = run(engine, prompts, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, logprobs_mode="raw"))
     for i, (prompt, want) in enumerate(zip(prompts, expected)):
         row = rows[(i, 0)]
         assert row["token_ids"] == want, f"prompt {i} (length {len(prompt)})"
         assert row["logprobs"] == pytest.approx(forward_logprobs(model, prompt, want), abs=1e-4), f"prompt {i}"
     assert len({tuple(w) for w in expected}) > 1, "continuations are degenerate"
+    return engine
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -1,5 +1,5 @@
 """Loads a Hugging Face causal LM onto its device, sizes and owns its paged KV cache, and runs one
-packed forward and one sampling pass per step."""
+packed forward (a decode graph's replay when one serves the step) and one sampling pass per step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from workers.engine import memory
 from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
+from workers.engine.graphs import DecodeGraphs, resolve
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
@@ -59,6 +60,7 @@ class StepInputs:
     num_rows: int
     sampling: SamplingBatch
     logits_rows: torch.Tensor | None  # which kept row each sampling row reads, when forks repeat rows
+    token_lengths: torch.Tensor | None = None  # per packed token, its sequence's length (per-sequence LongRoPE)
 
 
 class ModelRunner:
@@ -80,10 +82,18 @@ class ModelRunner:
         self.row_params = RowParams(config.max_num_seqs)
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
+        self.graphs: DecodeGraphs | None = None
         self.num_blocks = self._size_cache()
         self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         self._warmup()
+        if resolve(config)[1]:
+            self.graphs = DecodeGraphs(self)
+
+    @property
+    def graph_capture_s(self) -> float:
+        """Seconds the decode graphs took to capture at start (0 without them)."""
+        return self.graphs.capture_s if self.graphs is not None else 0.0
 
     @property
     def bytes_per_block(self) -> int:
@@ -139,19 +149,27 @@ class ModelRunner:
         meta = AttentionMetadata(t["slots"], t["cu_seqlens_q"], t["seq_lens"], block_table,
                                  plan.max_seqlen_q, plan.max_seqlen_k)
         logits_rows = t["logits_rows"] if plan.expand else None
-        if "token_lengths" in t:
-            set_rope_step(self.model, t["token_lengths"])
         return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.num_rows,
-                          sampling_batch(t, plan.flags), logits_rows)
+                          sampling_batch(t, plan.flags), logits_rows, t.get("token_lengths"))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits `[len(keep), vocab]` of the packed rows `keep`; the backend serves this forward only."""
-        self.backend.prepare_metadata(inputs.meta)
+    def forward(self, inputs: StepInputs, use_graphs: bool = True) -> torch.Tensor:
+        """Logits `[len(keep), vocab]` of the packed rows `keep`: from a decode graph when one serves the
+        step (and `use_graphs`), else from one eager forward."""
+        if use_graphs and self.graphs is not None and self.graphs.eligible(inputs):
+            return self.graphs.replay(inputs).index_select(0, inputs.keep)
+        return self.model_forward(inputs.ids, inputs.positions, inputs.meta, inputs.keep, inputs.token_lengths)
+
+    def model_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      keep: torch.Tensor | int, token_lengths: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the packed rows `keep` (0: every row) of one forward; the backend serves it only."""
+        self.backend.prepare_metadata(meta)
+        if token_lengths is not None:
+            set_rope_step(self.model, token_lengths)
         set_backend(self.backend)
         try:
-            out = self.model(input_ids=inputs.ids[None], position_ids=inputs.positions[None], use_cache=False,
-                             logits_to_keep=inputs.keep)
+            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=keep)
         finally:
             set_backend(None)
         return out.logits[0]

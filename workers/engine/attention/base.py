@@ -15,6 +15,11 @@ class AttentionMetadata:
     its last positions, so sequence `b` attends over `seq_lens[b]` cached tokens (the new ones
     included) held in the blocks `block_table[b]`. `slot_mapping[t]` is the cache slot
     (block * block_size + offset) the K/V of token `t` is written to; -1 skips a padding token.
+
+    `decode_graph` marks a padded decode step of a CUDA graph (workers/engine/graphs.py): token `b` is
+    the one query of sequence `b`, sequences past the real ones have length 0 (`cu_seqlens_q` plateaus),
+    and the host scalars are the graph key's (`max_seqlen_q` 1, `max_seqlen_k` the KV bucket). A backend
+    must then take every host decision from those scalars and the tensors' shapes, never from values.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
@@ -23,6 +28,7 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_seqlen_q: int
     max_seqlen_k: int
+    decode_graph: bool = False
 
 
 class AttentionBackend:

@@ -18,20 +18,18 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 class _Group:
-    """Sequences padded to one [rows, max_q] x [rows, max_blocks * block_size] problem, with masks."""
+    """Sequences padded to one [rows, max_q] x [rows, num_blocks * block_size] problem, with masks.
 
-    def __init__(self, meta: AttentionMetadata, rows: torch.Tensor, block_size: int) -> None:
-        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1])[rows].long()
-        k_lens = meta.seq_lens[rows].long()
-        num_blocks = cdiv(int(k_lens.max()), block_size)
-        q_ar = torch.arange(int(q_lens.max()), device=rows.device)
-        k_ar = torch.arange(num_blocks * block_size, device=rows.device)
-        self.q_valid = q_ar[None, :] < q_lens[:, None]
-        self.q_index = (meta.cu_seqlens_q[rows].long()[:, None] + q_ar[None, :])[self.q_valid]
-        self.blocks = meta.block_table[rows, :num_blocks].long()
-        self.q_pos = (k_lens - q_lens)[:, None] + q_ar[None, :]
-        self.k_pos = k_ar[None, None, :]
-        self.causal = (self.k_pos <= self.q_pos[:, :, None]) & (self.k_pos < k_lens[:, None, None])
+    `q_pos[r, i]` is the position of query `i` of row `r`; row `r` sees its first `k_lens[r]` keys,
+    gathered from `blocks[r]`. Subclasses say how queries are gathered from, and written back to,
+    the packed tokens.
+    """
+
+    def __init__(self, blocks: torch.Tensor, q_pos: torch.Tensor, k_lens: torch.Tensor, block_size: int) -> None:
+        self.blocks = blocks
+        self.q_pos = q_pos
+        self.k_pos = torch.arange(blocks.shape[1] * block_size, device=blocks.device)[None, None, :]
+        self.causal = (self.k_pos <= q_pos[:, :, None]) & (self.k_pos < k_lens[:, None, None])
         self.masks: dict[int | None, torch.Tensor] = {None: self.causal}
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -39,6 +37,51 @@ class _Group:
         if window not in self.masks:
             self.masks[window] = self.causal & (self.k_pos > self.q_pos[:, :, None] - window)
         return self.masks[window]
+
+
+class _PackedGroup(_Group):
+    """Rows `rows` of a packed step, any query lengths; sized from the lengths' values (a host sync)."""
+
+    def __init__(self, meta: AttentionMetadata, rows: torch.Tensor, block_size: int) -> None:
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1])[rows].long()
+        k_lens = meta.seq_lens[rows].long()
+        num_blocks = cdiv(int(k_lens.max()), block_size)
+        q_ar = torch.arange(int(q_lens.max()), device=rows.device)
+        self.q_valid = q_ar[None, :] < q_lens[:, None]
+        self.q_index = (meta.cu_seqlens_q[rows].long()[:, None] + q_ar[None, :])[self.q_valid]
+        super().__init__(meta.block_table[rows, :num_blocks].long(), (k_lens - q_lens)[:, None] + q_ar[None, :],
+                         k_lens, block_size)
+
+    def gather(self, q: torch.Tensor) -> torch.Tensor:
+        """The group's queries `[rows, max_q, Hq, D]`, zero past each row's own."""
+        rows, max_q = self.q_valid.shape
+        qp = q.new_zeros(rows, max_q, *q.shape[1:])
+        qp[self.q_valid] = q[self.q_index]
+        return qp
+
+    def scatter(self, out: torch.Tensor, res: torch.Tensor) -> None:
+        """Write the valid rows of `res` `[rows, max_q, Hq, D]` to their packed tokens in `out`."""
+        out[self.q_index] = res[self.q_valid]
+
+
+class _DecodeGroup(_Group):
+    """Rows `start:stop` of a padded decode step (`AttentionMetadata.decode_graph`): row `b`'s one
+    query is token `b`, and `num_blocks` comes from the KV bucket, so nothing reads a value on the
+    host. A padding row (length 0) sees key 0 of block 0, so it stays finite; its output is discarded."""
+
+    def __init__(self, meta: AttentionMetadata, start: int, stop: int, num_blocks: int, block_size: int) -> None:
+        self.rows = slice(start, stop)
+        k_lens = meta.seq_lens[start:stop].long().clamp(min=1)
+        super().__init__(meta.block_table[start:stop, :num_blocks].long(), (k_lens - 1)[:, None], k_lens,
+                         block_size)
+
+    def gather(self, q: torch.Tensor) -> torch.Tensor:
+        """The group's queries `[rows, 1, Hq, D]`."""
+        return q[self.rows, None]
+
+    def scatter(self, out: torch.Tensor, res: torch.Tensor) -> None:
+        """Write `res` `[rows, 1, Hq, D]` to the group's tokens in `out`."""
+        out[self.rows] = res[:, 0]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
@@ -49,12 +92,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
     views, so no per-token gather or transposed copy of the cache is made.
     """
-    rows, max_q = group.q_valid.shape
+    rows, max_q = group.q_pos.shape
     h_q, d = q.shape[1], q.shape[2]
     h_kv = k_cache.shape[2]
     g = h_q // h_kv
-    qp = q.new_zeros(rows, max_q, h_q, d)
-    qp[group.q_valid] = q[group.q_index]
+    qp = group.gather(q)
     keys = k_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
     values = v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
     hidden = ~group.mask(sliding_window)[:, None]
@@ -67,7 +109,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scores = scores.view(rows, g, max_q, -1).masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(rows, g * max_q, -1)
         res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, d).transpose(1, 2)
-    out[group.q_index] = res.view(rows, max_q, h_q, d)[group.q_valid]
+    group.scatter(out, res.view(rows, max_q, h_q, d))
 
 
 class TorchBackend(AttentionBackend):
@@ -78,15 +120,28 @@ class TorchBackend(AttentionBackend):
     chunk_bytes = 2 << 20
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
-        """Take the step's metadata and group its sequences into row groups of bounded K/V size."""
+        """Take the step's metadata and group its sequences into row groups of bounded K/V size: by
+        their lengths' values, or for a decode graph step by its key alone (no host sync)."""
         super().prepare_metadata(meta)
+        if meta.decode_graph:
+            self.groups = self._decode_groups(meta)
+            return
         q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
         self.groups = []
         for rows in ((q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()):
             if rows.numel():
                 size = self._rows_per_group(int(meta.seq_lens[rows].max()))
-                self.groups += [_Group(meta, rows[i:i + size], self.block_size)
+                self.groups += [_PackedGroup(meta, rows[i:i + size], self.block_size)
                                 for i in range(0, rows.numel(), size)]
+
+    def _decode_groups(self, meta: AttentionMetadata) -> list[_Group]:
+        """Every row of a padded decode step, each gathering the blocks of `max_seqlen_k` keys (the KV
+        bucket): a bucket smaller than a sequence would drop its later keys."""
+        num_rows = meta.seq_lens.shape[0]
+        size = self._rows_per_group(meta.max_seqlen_k)
+        num_blocks = cdiv(meta.max_seqlen_k, self.block_size)
+        return [_DecodeGroup(meta, i, min(i + size, num_rows), num_blocks, self.block_size)
+                for i in range(0, num_rows, size)]
 
     def _rows_per_group(self, max_seq_len: int) -> int:
         per_token = self.kv_cache[0, 0, 0, 0].numel() * self.kv_cache.element_size()

@@ -49,6 +49,8 @@ class TritonBackend(AttentionBackend):
     None chooses per step in `prepare_metadata` with `choose_num_splits`. Host metadata
     (`max_seqlen_q == 1`, `max_seqlen_k`) only picks the tile shape and the split count; every
     launch reads lengths from tensors, so a captured CUDA graph replays correctly for any lengths.
+    In a decode graph step those scalars are the key's (the KV bucket, the padded batch), so the
+    split count a graph bakes in is a function of its key.
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_kv_splits: int | None = None) -> None:

@@ -1,0 +1,125 @@
+"""Decode graphs on the CPU, where `cuda_graphs=(False, True)` runs the padded static-buffer path eagerly:
+the buckets, the config field, a replay check at every decode step (the graph of the step's key over
+refilled static buffers equals the eager forward of the same inputs, and writes only the step's own
+slots), outputs equal to graphs off, and a planted copy of transformers #45323 (a key without the KV
+bucket) that the replay check catches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.config import EngineConfig, load_service_config
+from tests.conftest import make_engine, random_prompts, run
+from workers.engine import graphs
+from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
+
+DECODE_GRAPHS = (False, True)
+# Long prompts whose decoding crosses the smallest KV bucket (1024), beside short ones; every sample
+# ends at its own length, so a batch shrinks inside a bucket while the others decode.
+PROMPTS = random_prompts(2, 512, (1000, 1015), seed=5) + random_prompts(3, 512, (5, 30), seed=6)
+PARAMS = [SamplingParams(n=3, temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=20 + 8 * i, seed=i,
+                         ignore_eos=True) for i in range(2)] + \
+         [SamplingParams(temperature=0, max_new_tokens=10 + 9 * i, ignore_eos=True) for i in range(3)]
+ENGINE = dict(max_model_len=2048, num_blocks=1024, max_batch_tokens=512, max_num_seqs=24)
+
+
+def test_buckets():
+    assert batch_buckets(256) == [1, 2, 4, 8, 16, *range(32, 257, 16)]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert [kv_bucket(n) for n in (1, 1024, 1025, 4096, 4097)] == [1024, 1024, 2048, 4096, 8192]
+    assert kv_buckets(1000) == kv_buckets(1024) == [1024]
+    assert kv_buckets(1025) == [1024, 2048]
+    assert kv_buckets(5000) == [1024, 2048, 4096, 8192]
+
+
+def test_cuda_graphs_field():
+    assert graphs.resolve(EngineConfig(model="m")) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda")) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False))) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True))) == (False, True)
+    with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(True, True\): varlen graphs .* not supported"):
+        EngineConfig(model="m", cuda_graphs=(True, True))
+    for bad in [(True,), (1, 0), [False, True], "on", (False, True, False)]:
+        with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=.* must be None or a tuple \(varlen, decode\)"):
+            EngineConfig(model="m", cuda_graphs=bad)
+    from_toml = load_service_config(engine={"model": "m", "cuda_graphs": [False, True]}).engine
+    assert from_toml.cuda_graphs == (False, True)
+
+
+def replay_check(runner, inputs) -> tuple[tuple[int, int], int, bool]:
+    """Replay the graph of an eligible step after its eager forward: (its key, its real batch, whether
+    the replay's logits equal the eager ones, it wrote no slot but the step's own, and the static
+    buffers are padded as promised)."""
+    eager = runner.forward(inputs, use_graphs=False)
+    before = runner.kv_cache.clone()
+    replayed = runner.forward(inputs)
+    g, n = runner.graphs, inputs.meta.seq_lens.shape[0]
+    batch = min(b for b in g.batch_sizes if b >= n)
+    changed = (runner.kv_cache != before).permute(2, 3, 0, 1, 4, 5).flatten(2).any(2).flatten()  # per slot
+    written = set(changed.nonzero().flatten().tolist())
+    padded = (bool((g.slots[n:batch] == -1).all()) and not g.seq_lens[n:batch].any()
+              and bool((g.cu_seqlens_q[n + 1:batch + 1] == n).all()) and not g.block_table[n:batch].any())
+    same = torch.allclose(replayed, eager, rtol=1e-4, atol=1e-4)
+    ok = same and padded and written <= set(inputs.meta.slot_mapping.tolist())
+    return (batch, kv_bucket(inputs.meta.max_seqlen_k)), n, ok
+
+
+def checking_replays(engine) -> list[tuple[tuple[int, int], int, bool]]:
+    """Make every decode step of `engine` run the replay check and sample from the replay's logits;
+    returns the list the checks are recorded in."""
+    runner, checks = engine.runner, []
+
+    def checked_run(seqs, num_tokens):
+        inputs = runner.prepare(seqs, num_tokens)
+        if runner.graphs.eligible(inputs):
+            checks.append(replay_check(runner, inputs))
+        logits = runner.forward(inputs)
+        return runner.sample(logits, inputs) if inputs.num_rows else ([], [])
+
+    engine.runner.run = checked_run
+    return checks
+
+
+@pytest.fixture(scope="module")
+def long_model(model_dir):
+    return model_dir("qwen3", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def eager_rows(long_model):
+    engine = make_engine(long_model, **ENGINE)
+    assert engine.runner.graphs is None, "None means no decode graphs on the CPU"
+    return run(engine, PROMPTS, PARAMS)
+
+
+def test_replays_equal_eager_and_outputs_equal_graphs_off(long_model, eager_rows):
+    engine = make_engine(long_model, cuda_graphs=DECODE_GRAPHS, **ENGINE)
+    assert sorted(engine.runner.graphs.graphs) == [(b, kv) for b in (1, 2, 4, 8, 16, 24) for kv in (1024, 2048)]
+    checks = checking_replays(engine)
+    rows = run(engine, PROMPTS, PARAMS)
+    assert checks and all(ok for _, _, ok in checks), [c for c in checks if not c[2]]
+    assert {kv for (_, kv), _, _ in checks} == {1024, 2048}, "the workload crosses a KV bucket"
+    batches = {}
+    for key, n, _ in checks:
+        batches.setdefault(key, set()).add(n)
+    assert any(len(ns) > 1 for ns in batches.values()), "some key replayed steps of different batch sizes"
+    assert rows.keys() == eager_rows.keys()
+    for key, row in rows.items():
+        assert row["token_ids"] == eager_rows[key]["token_ids"], key
+        assert row["logprobs"] == pytest.approx(eager_rows[key]["logprobs"], abs=1e-4), key
+
+
+def test_planted_key_without_the_kv_bucket_fails_the_replay_check(long_model, monkeypatch):
+    """transformers #45323: with the KV bucket left out of the key, each batch bucket keeps the graph
+    captured last (the smallest KV bucket), which gathers too few blocks for longer sequences."""
+    monkeypatch.setattr(graphs, "graph_key", lambda batch, kv: (batch,))
+    engine = make_engine(long_model, cuda_graphs=DECODE_GRAPHS, **ENGINE)
+    assert sorted(engine.runner.graphs.graphs) == [(b,) for b in (1, 2, 4, 8, 16, 24)]
+    checks = checking_replays(engine)
+    run(engine, PROMPTS, PARAMS)
+    assert {kv for (_, kv), _, ok in checks if not ok} == {2048}
+    assert all(ok for (_, kv), _, ok in checks if kv == 1024)

@@ -1,0 +1,177 @@
+"""Decode CUDA graphs: one per (padded batch, KV-length bucket), replayed over static input buffers.
+
+A decode step (one new token for each sequence) is padded to the smallest batch bucket that holds it:
+padding tokens have slot -1 (never written), padding sequences have length 0 (`cu_seqlens_q` plateaus
+at the real count) and zero block-table rows. Its key is (batch bucket, KV bucket), the KV bucket being
+`max_seqlen_k` rounded up to a power of two of at least MIN_KV_BUCKET. Every host scalar a backend bakes
+into a launch is a function of the key (the torch backend's gather width, the Triton backend's split
+count), never of the step's own lengths, so a graph captured at a key is exact for every step with that
+key. A key without the KV bucket is the bug of transformers #45323: a graph captured for short
+sequences replayed for long ones.
+
+On CUDA every graph is captured at start. On the CPU the same path runs eagerly: the static buffers are
+refilled and the forward runs with the metadata its key was given at "capture", not recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.config import EngineConfig
+from workers.engine.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from workers.engine.model_runner import ModelRunner, StepInputs
+
+logger = logging.getLogger(__name__)
+
+MIN_KV_BUCKET = 1024
+
+
+def resolve(config: EngineConfig) -> tuple[bool, bool]:
+    """`config.cuda_graphs` as (varlen, decode), None resolved: decode graphs on CUDA, none on the CPU."""
+    if config.cuda_graphs is not None:
+        return config.cuda_graphs
+    return False, config.device.startswith("cuda")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, 16, then multiples of 16 below `max_batch`, and `max_batch`."""
+    return sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(16, max_batch, 16)) | {max_batch})
+
+
+def kv_bucket(max_seqlen_k: int) -> int:
+    """`max_seqlen_k` rounded up to a power of two, at least MIN_KV_BUCKET."""
+    return max(MIN_KV_BUCKET, 1 << (max_seqlen_k - 1).bit_length())
+
+
+def kv_buckets(max_model_len: int) -> list[int]:
+    """Every KV bucket of sequences of at most `max_model_len` tokens, smallest first."""
+    return [MIN_KV_BUCKET << i for i in range((kv_bucket(max_model_len) // MIN_KV_BUCKET).bit_length())]
+
+
+def graph_key(batch: int, kv: int) -> tuple[int, ...]:
+    """The key of the graph of batch bucket `batch` and KV bucket `kv`: both fix host scalars of its launches."""
+    return batch, kv
+
+
+@dataclass
+class _Graph:
+    """One key's padded batch, the metadata its backend was given at capture, and its CUDA graph
+    (None on the CPU, where the forward runs eagerly)."""
+
+    batch: int
+    meta: AttentionMetadata
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Static decode inputs sized for the largest batch bucket, and one graph per key over views of them.
+
+    Batch buckets stop at `min(max_num_seqs, max_batch_tokens)`: no decode step has more sequences.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        config = runner.config
+        self.batch_sizes = batch_buckets(min(config.max_num_seqs, config.max_batch_tokens))
+        self.kv_sizes = kv_buckets(runner.max_model_len)
+        size, device = self.batch_sizes[-1], runner.device
+        self.ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros_like(self.ids)
+        self.slots = torch.full_like(self.ids, -1)
+        self.cu_seqlens_q = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(size, runner.tables.max_blocks, dtype=torch.int32, device=device)
+        self.token_lengths = None if runner.rope_switch_length is None else torch.zeros_like(self.ids)
+        self.logits: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
+        self.pool = None
+        self.replays = 0  # decode steps served, for tests and benchmarks
+        self.capture_s = self._capture_all()
+
+    @torch.inference_mode()
+    def _capture_all(self) -> float:
+        """Capture every key's graph, largest first (smaller ones reuse the shared pool); seconds taken."""
+        start = time.perf_counter()
+        for batch in reversed(self.batch_sizes):
+            for kv in reversed(self.kv_sizes):
+                self.graphs[graph_key(batch, kv)] = self._capture(batch, kv)
+        seconds = time.perf_counter() - start
+        how = "captured" if self.runner.device.type == "cuda" else "set up (run eagerly on the CPU)"
+        logger.info("decode graphs: %d %s in %.2f s (batch buckets %s, KV buckets %s)", len(self.graphs), how,
+                    seconds, self.batch_sizes, self.kv_sizes)
+        return seconds
+
+    def _capture(self, batch: int, kv: int) -> _Graph:
+        """The graph of one key: its metadata, and on CUDA its launches, after a warm-up run that compiles
+        every kernel variant of the key (the buffers hold padding only: nothing is written)."""
+        meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
+                                 self.block_table[:batch], max_seqlen_q=1, max_seqlen_k=kv, decode_graph=True)
+        entry = _Graph(batch, meta)
+        if self.runner.device.type != "cuda":
+            return entry
+        self._launch(entry)
+        entry.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(entry.graph, pool=self.pool):
+                self._launch(entry)
+        except RuntimeError as err:
+            raise RuntimeError(f"capturing the decode graph of batch {batch}, KV bucket {kv} failed: {err}; "
+                               "EngineConfig.cuda_graphs=(False, False) runs decode steps eagerly") from err
+        if self.pool is None:
+            self.pool = entry.graph.pool()
+        return entry
+
+    def _launch(self, entry: _Graph) -> None:
+        """The padded forward of `entry` over the static buffers, its logits into `self.logits`."""
+        n = entry.batch
+        lengths = None if self.token_lengths is None else self.token_lengths[:n]
+        logits = self.runner.model_forward(self.ids[:n], self.positions[:n], entry.meta, 0, lengths)
+        if self.logits is None:
+            self.logits = logits.new_empty(self.batch_sizes[-1], logits.shape[1])
+        self.logits[:n] = logits
+
+    def eligible(self, inputs: StepInputs) -> bool:
+        """Whether a graph serves the step: one new token for each sequence, within the largest buckets."""
+        meta = inputs.meta
+        num_seqs = meta.seq_lens.shape[0]
+        return (meta.max_seqlen_q == 1 and inputs.ids.shape[0] == num_seqs <= self.batch_sizes[-1]
+                and meta.max_seqlen_k <= self.kv_sizes[-1])
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[batch bucket, vocab]` of an eligible step (its rows first, then padding rows), from
+        the graph of its key over the refilled static buffers; nothing waits on the device."""
+        num_seqs = inputs.meta.seq_lens.shape[0]
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+        entry = self.graphs[graph_key(batch, kv_bucket(inputs.meta.max_seqlen_k))]
+        self._fill(inputs, entry.batch)
+        self.replays += 1
+        if entry.graph is None:
+            self._launch(entry)
+        else:
+            entry.graph.replay()
+        return self.logits[:entry.batch]
+
+    def _fill(self, inputs: StepInputs, batch: int) -> None:
+        """Copy the step's inputs into the static buffers (device to device) and pad them to `batch`."""
+        meta = inputs.meta
+        n = meta.seq_lens.shape[0]
+        for static, value in ((self.ids, inputs.ids), (self.positions, inputs.positions),
+                              (self.slots, meta.slot_mapping), (self.seq_lens, meta.seq_lens)):
+            static[:n].copy_(value)
+        self.slots[n:batch].fill_(-1)
+        self.seq_lens[n:batch].zero_()
+        self.cu_seqlens_q[:n + 1].copy_(meta.cu_seqlens_q)
+        self.cu_seqlens_q[n + 1:batch + 1].fill_(n)
+        self.block_table[:n, :meta.block_table.shape[1]].copy_(meta.block_table)
+        self.block_table[n:batch].zero_()
+        if self.token_lengths is not None:
+            self.token_lengths[:n].copy_(inputs.token_lengths)
+            self.token_lengths[n:batch].zero_()
