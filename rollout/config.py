@@ -32,6 +32,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `trust_remote_code` lets transformers run Python code shipped with the model (config.json `auto_map`);
     off by default, as that code runs with the worker's rights. `check_integrity` asserts the block
     accounting after every step (slow: for tests and soak runs); a broken invariant fails the step.
+    `async_batching` schedules and prepares step t+1 while the device runs step t, whose sampled tokens
+    reach step t+1's inputs on the device; None turns it on for CUDA and off for the CPU, where it runs
+    the same pipeline synchronously (outputs are the same either way).
     """
 
     model: str
@@ -49,6 +52,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     check_integrity: bool = False
+    async_batching: bool | None = None
 
     def __post_init__(self) -> None:
         check_types(self)

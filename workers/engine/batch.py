@@ -21,3 +21,8 @@ class Batch:
         """Compute `n` more tokens of `seq` in this step."""
         self.seqs.append(seq)
         self.num_tokens.append(n)
+
+    def samplers(self) -> list[Sequence]:
+        """The sequences whose last token this step computes, in the order of its sampling rows (each has
+        one per wanted sample); read before the step is counted in."""
+        return [seq for seq, n in zip(self.seqs, self.num_tokens) if seq.num_computed_tokens + n == len(seq.token_ids)]
