@@ -55,6 +55,18 @@ def test_greedy_matches_generate(references, arch, block_size):
     assert_greedy_parity(engine, prompts, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_matches_generate_with_async_batching(references, arch):
+    """Each step's inputs take the tokens of the step before on the device, not from the host."""
+    path, prompts, expected = references(arch)
+    engine = make_engine(path, num_blocks=256, max_batch_tokens=48, async_batching=True, check_integrity=True)
+    assert_greedy_parity(engine, prompts, expected)
+    eos = next(iter(engine.eos_token_ids))
+    stopped = [strip_after_eos(out, eos) for out in expected]
+    early = sum(eos in out and len(out) < MAX_NEW for out in stopped)  # the next step ran: one token wasted
+    assert engine.stats()["wasted_tokens"] == early
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("block_size", [16, 256])
