@@ -18,7 +18,7 @@ from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
-from workers.engine.pipeline import InFlight, Sampled
+from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.request_checks import check_fits, check_params, check_prompt
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
@@ -172,34 +172,42 @@ class Engine:
 
     def _hold(self, batch: Batch, samplers: list[Sequence], sampled: Sampled) -> InFlight:
         """Count the launched step in, fork the prompts that sampled in it, and give each sampling row's
-        sequence its placeholder. One that reaches its length with it ends now, its row waiting for the
-        token: its blocks go back to the pool while the step still writes them, but a later step that
-        reuses them runs after it on the same stream, and the CPU pool's copies wait for that stream."""
-        self.scheduler.update(batch)
-        live, rows, first = [], [], 0
-        for seq in samplers:
-            if seq.status is not Status.FINISHED:  # else it stopped in the step before: its rows are wasted
-                live.append(seq)
-                rows += range(first, first + len(seq.sample_indices))
-            first += len(seq.sample_indices)
-        flight = InFlight(sampled, self.policy_version)
-        for seq, row in zip(self._fork(live), rows, strict=True):
-            flight.hold(seq, row)
+        sequence its placeholder, `-1 - row` (pipeline.py). One that reaches its length with it ends now,
+        its row waiting for the token: its blocks go back to the pool while the step still writes them,
+        but a later step that reuses them runs after it on the same stream, and the CPU pool's copies
+        wait for that stream."""
+        rows = None
+        if self.scheduler.update(batch):
+            rows = live_rows(samplers)
+            samplers = [seq for seq in samplers if seq.status is not Status.FINISHED]
+        seqs = self._fork(samplers)
+        rows = rows or range(len(seqs))
+        ended = []
+        for seq, row in zip(seqs, rows, strict=True):
+            seq.token_ids.append(-1 - row)
             if len(seq.token_ids) >= seq.group.max_length:
-                self.scheduler.finish(seq)
-        return flight
+                ended.append(seq)
+        for seq in ended:
+            self.scheduler.finish(seq)
+        return InFlight(sampled, self.policy_version, seqs, rows)
 
     def _collect(self) -> None:
-        """Wait for the step in flight, if any, write its tokens in, and end the samples that stopped
-        or reached their length; their rows wait in `ready`."""
+        """Wait for the step in flight, if any, write its tokens, logprobs and version in, and end the
+        samples that stopped or reached their length; their rows wait in `ready`."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return
-        for seq, token in flight.collect():
+        tokens, logprobs = flight.sampled.wait()
+        version, finished = flight.version, Status.FINISHED
+        for seq, row in zip(flight.seqs, flight.rows):
+            token = seq.token_ids[-1] = tokens[row]
+            seq.logprobs.append(logprobs[row])
+            seq.versions.append(version)
+            ended = seq.status is finished  # it reached its length at launch
             stop = token in seq.group.stop_token_ids
-            if stop and seq.status is not Status.FINISHED:
+            if stop and not ended:
                 self.scheduler.finish(seq)
-            if seq.status is Status.FINISHED:
+            if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
 
     def _take_ready(self) -> list[dict]:
@@ -290,3 +298,4 @@ def _load_tokenizer(config: EngineConfig):
         return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError):
         return None
+

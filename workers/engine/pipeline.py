@@ -9,16 +9,11 @@ sequence samples again only in a step launched after this one is collected.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from workers.engine.sequence import Sequence
-
-
-def placeholder(row: int) -> int:
-    """The token a sequence holds until sampling row `row` of the step in flight is collected."""
-    return -1 - row
+from workers.engine.sequence import Sequence, Status
 
 
 @dataclass
@@ -55,28 +50,21 @@ class Sampled:
 
 @dataclass
 class InFlight:
-    """A launched, uncollected step: its results, the weights version that computes them, and each
-    sequence holding a placeholder with the row that fills it."""
+    """A launched, uncollected step: its results, the weights version that computes them, and the
+    sequences holding its placeholders with the row of each."""
 
     sampled: Sampled
     version: int
-    seqs: list[Sequence] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
+    seqs: list[Sequence]
+    rows: list[int] | range
 
-    def hold(self, seq: Sequence, row: int) -> None:
-        """Give `seq` the placeholder of sampling row `row`."""
-        seq.token_ids.append(placeholder(row))
-        self.seqs.append(seq)
-        self.rows.append(row)
 
-    def collect(self) -> list[tuple[Sequence, int]]:
-        """Wait for the results, write each held sequence's token and logprob in (with the version);
-        returns the sequences and their tokens."""
-        tokens, logprobs = self.sampled.wait()
-        out = []
-        for seq, row in zip(self.seqs, self.rows, strict=True):
-            token = seq.token_ids[-1] = tokens[row]
-            seq.logprobs.append(logprobs[row])
-            seq.versions.append(self.version)
-            out.append((seq, token))
-        return out
+def live_rows(samplers: list[Sequence]) -> list[int]:
+    """The sampling rows of the sequences that have not finished (one that stopped in the step before the
+    launched one wastes its row)."""
+    rows, first = [], 0
+    for seq in samplers:
+        if seq.status is not Status.FINISHED:
+            rows += range(first, first + len(seq.sample_indices))
+        first += len(seq.sample_indices)
+    return rows

@@ -83,7 +83,7 @@ class Scheduler:
             growing += _growing(restored, self.block_size)
         for seq, block in zip(growing, self.pool.allocate(len(growing))):
             seq.block_table.append(block)
-        batch.seqs, batch.num_tokens = decodes, [1] * len(decodes)
+        batch.seqs, batch.num_tokens, batch.num_decodes = decodes, [1] * len(decodes), len(decodes)
         budget -= len(decodes)
         while True:
             for seq in prefills:
@@ -108,15 +108,15 @@ class Scheduler:
                 prefills.append(seq)
         return decodes, prefills
 
-    def update(self, batch: Batch) -> None:
+    def update(self, batch: Batch) -> int:
         """After the launch: count the computed tokens (a sample's last token is a decode; other
         tokens are prompt prefill, or recompute after a preemption) and register completed blocks.
-        The tokens of a sequence that finished meanwhile (a stop token of the step before, collected
-        after this one was launched) are wasted."""
-        counters, bs, decodes = self.counters, self.block_size, 0
+        Returns the tokens wasted: those of sequences that finished meanwhile (a stop token of the step
+        before, collected after this one was launched)."""
+        counters, bs, decodes, wasted, finished = self.counters, self.block_size, 0, 0, Status.FINISHED
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.status is Status.FINISHED:
-                counters["wasted_tokens"] += n
+            if seq.status is finished:
+                wasted += n
                 continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             length = len(seq.token_ids)
@@ -127,6 +127,8 @@ class Scheduler:
             if computed >= (len(seq.block_hashes) + 1) * bs:
                 self.pool.register_blocks(seq)
         counters["decode_tokens"] += decodes
+        counters["wasted_tokens"] += wasted
+        return wasted
 
     def _recompute_rope_switches(self) -> None:
         """Reset running sequences whose KV was computed with the short RoPE factors and whose last
