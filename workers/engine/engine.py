@@ -298,4 +298,3 @@ def _load_tokenizer(config: EngineConfig):
         return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError):
         return None
-
