@@ -38,6 +38,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch size and KV-length bucket; on the CPU, `(False, True)` runs the same padded static-buffer step
     eagerly, with no capture (how the tests cover it). Varlen graphs (prefill and mixed steps) are not
     supported: a True first flag is refused.
+
+    `async_batching` schedules and prepares step t+1 while the device runs step t, whose sampled tokens
+    reach step t+1's inputs on the device; None turns it on for CUDA and off for the CPU, where it runs
+    the same pipeline synchronously. Samples are the same either way, except that a stop token is seen one
+    step late (the token computed meanwhile is dropped, counted in `wasted_tokens`).
     """
 
     model: str
@@ -56,6 +61,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     trust_remote_code: bool = False
     check_integrity: bool = False
     cuda_graphs: tuple[bool, bool] | None = None
+    async_batching: bool | None = None
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -64,6 +64,21 @@ def test_greedy_matches_generate_through_decode_graphs(references, arch):
     assert engine.runner.graphs.replays >= MAX_NEW - 1
 
 
+@pytest.mark.parametrize("arch, graphs", [("llama", False), ("gemma2", True)])
+def test_greedy_matches_generate_with_async_batching(references, arch, graphs):
+    """Each step's inputs take the tokens of the step before on the device, not from the host; with decode
+    graphs too (both are on by default on CUDA)."""
+    path, prompts, expected = references(arch)
+    engine = make_engine(path, num_blocks=256, max_batch_tokens=48, async_batching=True, check_integrity=True,
+                         cuda_graphs=(False, graphs))
+    assert_greedy_parity(engine, prompts, expected)
+    eos = next(iter(engine.eos_token_ids))
+    stopped = [strip_after_eos(out, eos) for out in expected]
+    early = sum(eos in out and len(out) < MAX_NEW for out in stopped)  # the next step ran: one token wasted
+    assert engine.stats()["wasted_tokens"] == early
+    assert not graphs or engine.runner.graphs.replays >= MAX_NEW - 1
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -1,6 +1,7 @@
-"""The GPU-shaped step on a real GPU: one host sync per decode step (eager and through decode graphs),
-decode graphs captured at start and replaying like the eager forward, automatic sizing within the
-card's budget, and an exact-size pinned CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
+"""The GPU-shaped step on a real GPU: one host wait per decode step (eager and through decode graphs,
+with and without async batching), decode graphs captured at start and replaying like the eager forward,
+automatic sizing within the card's budget, and an exact-size pinned CPU pool. Skipped without CUDA
+(scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
@@ -18,24 +19,38 @@ from workers.engine import Engine
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
-def decode_syncs(engine: Engine, steps: int) -> list[int]:
-    """Synchronizing CUDA calls in each of `steps` decode steps (torch's sync debug mode)."""
-    counts = []
+def decode_syncs(engine: Engine, steps: int, monkeypatch) -> list[int]:
+    """Host waits for the device in each of `steps` decode steps: synchronizing CUDA calls (torch's sync
+    debug mode) and CUDA event waits (which that mode does not see)."""
+    counts, waits = [], []
+    wait = torch.cuda.Event.synchronize
+
+    def counted(event: torch.cuda.Event) -> None:
+        waits.append(event)
+        wait(event)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
     torch.cuda.set_sync_debug_mode("warn")
     try:
         for _ in range(steps):
+            waits.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine.step()
-            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+            counts.append(sum("synchroniz" in str(w.message) for w in caught) + len(waits))
+            launched = engine.in_flight.sampled.ready if engine.in_flight else None
+            assert all(event is not launched for event in waits), "the step just launched was waited for"
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return counts
 
 
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("graphs", [(False, False), (False, True)], ids=["eager", "graphs"])
-def test_one_sync_per_decode_step(model_dir, graphs):
-    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=16, cuda_graphs=graphs))
+def test_one_sync_per_decode_step(model_dir, monkeypatch, graphs, async_batching):
+    """One wait per step, for the sampled tokens (with async batching, those of the step before)."""
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", max_num_seqs=16, cuda_graphs=graphs,
+                                 async_batching=async_batching))
     for i, prompt in enumerate(random_prompts(6, 512, (5, 40), seed=3)):
         params = SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9, top_k=20, max_new_tokens=64,
                                 seed=i, ignore_eos=True)
@@ -45,7 +60,7 @@ def test_one_sync_per_decode_step(model_dir, graphs):
     for _ in range(3):  # staging buffers and allocator pools warm
         engine.step()
     replays = engine.runner.graphs.replays if graphs[1] else 0
-    assert decode_syncs(engine, 8) == [1] * 8
+    assert decode_syncs(engine, 8, monkeypatch) == [1] * 8
     assert (engine.runner.graphs.replays == replays + 8) if graphs[1] else engine.runner.graphs is None
     engine.check_integrity()
 

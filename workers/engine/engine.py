@@ -14,12 +14,14 @@ from tqdm.auto import tqdm
 from rollout.config import EngineConfig
 from rollout.params import SamplingParams, WeightSource, check_update
 from rollout.schema import samples_to_batch, sort_samples
+from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
+from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.request_checks import check_fits, check_params, check_prompt
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Group, Sequence
+from workers.engine.sequence import Group, Sequence, Status
 from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]
@@ -43,6 +45,10 @@ class Engine:
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(("steps", "forks"), 0)
+        on_cuda = self.runner.device.type == "cuda"
+        self.async_batching = on_cuda if config.async_batching is None else config.async_batching
+        self.in_flight: InFlight | None = None
+        self.ready: list[dict] = []  # rows of samples collected outside `step`, handed out by the next one
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
@@ -80,7 +86,9 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> list[dict]:
-        """End every unfinished sample of a request now; returns their rows (finish_reason "abort")."""
+        """End every unfinished sample of a request now; returns their rows (finish_reason "abort").
+        The step in flight is collected first: rows of samples it finished come from the next `step`."""
+        self._collect()
         rows = self._abort([s for s in self.scheduler.sequences() if s.group.request_id == request_id])
         self.groups.pop(request_id, None)
         return rows
@@ -107,6 +115,8 @@ class Engine:
         pairs = check_weights(self.runner.model, load_source(source))
         rows: list[dict] = []
         emit = on_rows or rows.extend
+        self._collect()  # the tokens of the step in flight are the old weights'
+        emit(self._take_ready())
         if mode == "abort":
             emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
         elif mode == "finish":
@@ -119,7 +129,7 @@ class Engine:
     def _drain(self, emit: Rows) -> None:
         """Step until every started sample has finished, admitting nothing new; each step's rows go to `emit`."""
         with self.scheduler.started_only():
-            while any(s.started for s in self.scheduler.sequences()):
+            while self.in_flight or any(s.started for s in self.scheduler.sequences()):
                 emit(self.step())
 
     def validate_weights(self, source: WeightSource) -> None:
@@ -132,41 +142,77 @@ class Engine:
         return self.runner.model.state_dict()
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting, running or offloaded."""
-        return self.scheduler.has_unfinished()
+        """True while any request is waiting, running or offloaded, or has rows not handed out yet."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.ready)
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Run one batch through the model; returns the rows of the samples that finished in it."""
+        """Launch one batch; returns the rows of the samples that finished in the step collected now:
+        this one, or with async batching the one before, which ran while this one was prepared."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.has_unfinished():
+            if self.in_flight is None and self.scheduler.has_unfinished():
                 raise RuntimeError("no request can be scheduled: the KV cache is too small for any of them")
-            return []
+            self._collect()
+            return self._take_ready()
         if self.cpu_pool:
             self.cpu_pool.copy_to_cpu(batch.offload_copies)
             self.cpu_pool.copy_to_device(batch.restore_copies)
-        tokens, logprobs = self.runner.run(batch.seqs, batch.num_tokens)
+        samplers = batch.samplers()
+        prev = self.in_flight.sampled.tokens if self.in_flight else None
+        sampled = self.runner.launch(batch.seqs, batch.num_tokens, prev)
         self.counters["steps"] += 1
-        seqs = self._fork(self.scheduler.update(batch))
-        rows = self._append_samples(seqs, tokens, logprobs)
+        self._collect()
+        self.in_flight = self._hold(batch, samplers, sampled)
+        if not self.async_batching:
+            self._collect()
         if self.config.check_integrity:
             self.check_integrity()
-        return rows
+        return self._take_ready()
 
-    def _append_samples(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[dict]:
-        """Append each sampled token to its sequence (one per sampling row, forks split), check stops."""
-        finished, version = [], self.policy_version
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
+    def _hold(self, batch: Batch, samplers: list[Sequence], sampled: Sampled) -> InFlight:
+        """Count the launched step in, fork the prompts that sampled in it, and give each sampling row's
+        sequence its placeholder, `-1 - row` (pipeline.py). One that reaches its length with it ends now,
+        its row waiting for the token: its blocks go back to the pool while the step still writes them,
+        but a later step that reuses them runs after it on the same stream, and the CPU pool's copies
+        wait for that stream."""
+        rows = None
+        if self.scheduler.update(batch):
+            rows = live_rows(samplers)
+            samplers = [seq for seq in samplers if seq.status is not Status.FINISHED]
+        seqs = self._fork(samplers)
+        rows = rows or range(len(seqs))
+        ended = []
+        for seq, row in zip(seqs, rows, strict=True):
+            seq.token_ids.append(-1 - row)
+            if len(seq.token_ids) >= seq.group.max_length:
+                ended.append(seq)
+        for seq in ended:
+            self.scheduler.finish(seq)
+        return InFlight(sampled, self.policy_version, seqs, rows)
+
+    def _collect(self) -> None:
+        """Wait for the step in flight, if any, write its tokens, logprobs and version in, and end the
+        samples that stopped or reached their length; their rows wait in `ready`."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return
+        tokens, logprobs = flight.sampled.wait()
+        version, finished = flight.version, Status.FINISHED
+        for seq, row in zip(flight.seqs, flight.rows):
+            token = seq.token_ids[-1] = tokens[row]
+            seq.logprobs.append(logprobs[row])
             seq.versions.append(version)
-            group = seq.group
-            if token in group.stop_token_ids or len(seq.token_ids) >= group.max_length:
+            ended = seq.status is finished  # it reached its length at launch
+            stop = token in seq.group.stop_token_ids
+            if stop and not ended:
                 self.scheduler.finish(seq)
-                reason = "stop" if token in group.stop_token_ids else "length"
-                finished.append(self._row(seq, seq.sample_indices[0], reason))
-        return finished
+            if stop or ended:
+                self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
+
+    def _take_ready(self) -> list[dict]:
+        rows, self.ready = self.ready, []
+        return rows
 
     def _fork(self, seqs: list[Sequence]) -> list[Sequence]:
         """Split every unforked sequence into one sequence per sample index; returns the sequences
@@ -230,7 +276,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Assert that block accounting balances and the block tables are exact (tests call this
-        after every step)."""
+        after every step; it holds with a step in flight too)."""
         self.scheduler.check_integrity()
 
     def reset_prefix_cache(self) -> None:

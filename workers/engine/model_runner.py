@@ -18,6 +18,7 @@ from workers.engine.block_table import BlockTables
 from workers.engine.graphs import DecodeGraphs, resolve
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
+from workers.engine.pipeline import Sampled
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
@@ -135,13 +136,16 @@ class ModelRunner:
         except NotImplementedError as err:
             raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
 
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
-        """The step's inputs on the device, sent in one copy; block-table rows synced first."""
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int], prev: torch.Tensor | None = None) -> StepInputs:
+        """The step's inputs on the device, sent in one copy; block-table rows synced first. Placeholder
+        tokens take their values from `prev`, the tokens the step before sampled, on the device."""
         return self._send(plan_step(seqs, num_tokens, self.tables, self.row_params,
-                                    self.rope_switch_length is not None))
+                                    self.rope_switch_length is not None), prev)
 
-    def _send(self, plan: StepPlan) -> StepInputs:
+    def _send(self, plan: StepPlan, prev: torch.Tensor | None = None) -> StepInputs:
         t = self.staging.send(plan.arrays)
+        if "fill_at" in t:
+            t["ids"].index_copy_(0, t["fill_at"], prev.index_select(0, t["fill_from"]))
         if self.device.type == "cuda" and plan.arrays["table_cells"].size:
             self.device_tables.view(-1)[t["table_cells"]] = t["table_values"]
         tables = self.device_tables if plan.tables is None else plan.tables.to(self.device)
@@ -175,20 +179,19 @@ class ModelRunner:
         return out.logits[0]
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[list[int], list[float]]:
-        """Each sampling row's token and logprob, brought to the host in one copy."""
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
+        """Each sampling row's token and logprob, left on the device, with their copy to the host started."""
         if inputs.logits_rows is not None:
             logits = logits.index_select(0, inputs.logits_rows)
-        tokens, logprobs = sample(logits, inputs.sampling)
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
-        return host[0].long().tolist(), host[1].tolist()
+        return Sampled.to_host(*sample(logits, inputs.sampling))
 
-    def run(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[float]]:
-        """Compute `num_tokens[i]` new tokens of each sequence; a token and its logprob for each
-        sampling row (every wanted sample of each sequence that reaches its end)."""
-        inputs = self.prepare(seqs, num_tokens)
+    def launch(self, seqs: list[Sequence], num_tokens: list[int], prev: torch.Tensor | None = None) -> Sampled:
+        """Queue the computation of `num_tokens[i]` new tokens of each sequence (placeholders filled from
+        `prev`), and a token and its logprob for each sampling row (every wanted sample of each sequence
+        that reaches its end); nothing waits for the device."""
+        inputs = self.prepare(seqs, num_tokens, prev)
         logits = self.forward(inputs)
-        return self.sample(logits, inputs) if inputs.num_rows else ([], [])
+        return self.sample(logits, inputs) if inputs.num_rows else Sampled.empty(self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer, in one indexed copy."""

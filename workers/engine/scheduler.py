@@ -19,7 +19,7 @@ from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
 from workers.engine.sequence import Sequence, Status, cdiv, fork_spare_blocks
 
-TOKEN_COUNTERS = ("prefill_tokens", "decode_tokens", "recomputed_tokens")
+TOKEN_COUNTERS = ("prefill_tokens", "decode_tokens", "recomputed_tokens", "wasted_tokens")
 
 
 class Scheduler:
@@ -83,7 +83,7 @@ class Scheduler:
             growing += _growing(restored, self.block_size)
         for seq, block in zip(growing, self.pool.allocate(len(growing))):
             seq.block_table.append(block)
-        batch.seqs, batch.num_tokens = decodes, [1] * len(decodes)
+        batch.seqs, batch.num_tokens, batch.num_decodes = decodes, [1] * len(decodes), len(decodes)
         budget -= len(decodes)
         while True:
             for seq in prefills:
@@ -108,12 +108,16 @@ class Scheduler:
                 prefills.append(seq)
         return decodes, prefills
 
-    def update(self, batch: Batch) -> list[Sequence]:
-        """After the forward: count the computed tokens (a sample's last token is a decode; other
-        tokens are prompt prefill, or recompute after a preemption) and register completed blocks;
-        returns the sequences whose logits were computed (they sample a token)."""
-        done, counters, bs, decodes = [], self.counters, self.block_size, 0
+    def update(self, batch: Batch) -> int:
+        """After the launch: count the computed tokens (a sample's last token is a decode; other
+        tokens are prompt prefill, or recompute after a preemption) and register completed blocks.
+        Returns the tokens wasted: those of sequences that finished meanwhile (a stop token of the step
+        before, collected after this one was launched)."""
+        counters, bs, decodes, wasted, finished = self.counters, self.block_size, 0, 0, Status.FINISHED
         for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.status is finished:
+                wasted += n
+                continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             length = len(seq.token_ids)
             if n == 1 and computed == length and length > seq.num_prompt_tokens:
@@ -122,10 +126,9 @@ class Scheduler:
                 counters["recomputed_tokens" if seq.num_preemptions else "prefill_tokens"] += n
             if computed >= (len(seq.block_hashes) + 1) * bs:
                 self.pool.register_blocks(seq)
-            if computed == length:
-                done.append(seq)
         counters["decode_tokens"] += decodes
-        return done
+        counters["wasted_tokens"] += wasted
+        return wasted
 
     def _recompute_rope_switches(self) -> None:
         """Reset running sequences whose KV was computed with the short RoPE factors and whose last

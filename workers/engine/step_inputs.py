@@ -47,12 +47,16 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, 
     ends = np.flatnonzero(seq_lens == lengths)
     sampling, flags, logits_rows = _sampling(seqs, ends, rows, lengths, params)
     cells, table_values = tables.take_changes()
-    arrays = {"ids": np.array(_token_ids(seqs, starts, num_tokens, cu), np.int64), "positions": positions,
+    ids = np.array(_token_ids(seqs, starts, num_tokens, cu), np.int64)
+    arrays = {"ids": ids, "positions": positions,
               "slots": slots, "cu_seqlens_q": cu.astype(np.int32), "seq_lens": seq_lens.astype(np.int32),
               "rows": rows, "keep": cu[1:][ends] - 1, "logits_rows": logits_rows, "table_cells": cells,
               "table_values": table_values, **sampling}
     if token_lengths:
         arrays["token_lengths"] = np.repeat(lengths, counts)
+    holes = np.flatnonzero(ids < 0)
+    if holes.size:  # placeholders (pipeline.py): filled on the device from these rows of the last step
+        arrays["fill_at"], arrays["fill_from"] = holes, -1 - ids[holes]
     return StepPlan(arrays, flags, logits_rows.size, width, int(counts.max()), int(seq_lens.max()),
                     expand=logits_rows.size != ends.size)
 
