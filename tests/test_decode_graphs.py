@@ -14,6 +14,7 @@ from rollout.config import EngineConfig, load_service_config
 from tests.conftest import make_engine, random_prompts, run
 from workers.engine import graphs
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
+from workers.engine.pipeline import Sampled
 
 DECODE_GRAPHS = (False, True)
 # Long prompts whose decoding crosses the smallest KV bucket (1024), beside short ones; every sample
@@ -73,14 +74,14 @@ def checking_replays(engine) -> list[tuple[tuple[int, int], int, bool]]:
     returns the list the checks are recorded in."""
     runner, checks = engine.runner, []
 
-    def checked_run(seqs, num_tokens):
-        inputs = runner.prepare(seqs, num_tokens)
+    def checked_launch(seqs, num_tokens, prev=None):
+        inputs = runner.prepare(seqs, num_tokens, prev)
         if runner.graphs.eligible(inputs):
             checks.append(replay_check(runner, inputs))
         logits = runner.forward(inputs)
-        return runner.sample(logits, inputs) if inputs.num_rows else ([], [])
+        return runner.sample(logits, inputs) if inputs.num_rows else Sampled.empty(runner.device)
 
-    engine.runner.run = checked_run
+    engine.runner.launch = checked_launch
     return checks
 
 
