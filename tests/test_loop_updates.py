@@ -13,10 +13,13 @@ from workers.loop import EngineLoop
 from workers.messages import PromptGroup
 
 
-def test_finish_update_streams_rows_while_its_drain_runs(model_dir):
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_finish_update_streams_rows_while_its_drain_runs(model_dir, async_batching):
     """A short and a long sample run; a "finish" update drains both on the old weights. The short one's
-    batch must reach its call while the long one still runs (inside the update), not after the drain."""
-    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=64, flush_delay_s=0.01)
+    batch must reach its call while the long one still runs (inside the update), not after the drain;
+    with async batching too (a step in flight when the update arrives)."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3"), async_batching=async_batching), flush_rows=64,
+                      flush_delay_s=0.01)
     new_weights = hf_model(model_dir("qwen3", seed=1)).state_dict()
     seen: dict[str, list] = {"short": [], "long": []}
     done = {name: threading.Event() for name in seen}
