@@ -21,6 +21,7 @@ import functools
 import sys
 
 import torch
+from bench_gpu_runs import copy_bandwidth
 
 from workers.engine.attention.base import AttentionMetadata
 
@@ -39,14 +40,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--splits", type=int, default=8, help="KV segments of the split path")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     return parser.parse_args()
-
-
-def copy_bandwidth(do_bench, gib: float = 1.0) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second)."""
-    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() / ms / 1e6
 
 
 def decode_step(seqs: int, context: int, args: argparse.Namespace):
@@ -114,7 +107,7 @@ def main() -> None:
         from triton.testing import do_bench
     except ImportError as err:
         sys.exit(f"bench_attention.py needs Triton ({err}); install it with `pip install triton`")
-    copy_gbs = copy_bandwidth(do_bench)
+    copy_gbs = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s; "
           f"{args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
           f"{args.dtype}, block_size {args.block_size}")
