@@ -14,6 +14,7 @@ Usage: python scripts/bench_cpu.py [--prompts 32] [--skip-hf] [--skip-pressure]
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -124,13 +125,11 @@ OVERHEAD_CASES = {"a: 256 x 128": [(128, 256)], "b: 255 x 1k + 1 x 16k": [(1024,
                   "c: 256 x 4k": [(4096, 256)]}
 
 
-def bench_step_overhead(path: str, groups: list[tuple[int, int]], stub_sampler: bool, blocks: int = 5,
-                        steps: int = 20) -> float:
-    """Milliseconds per decode step with the model's forward stubbed (fixed logits), and with
-    `stub_sampler` the sampler's math too (fixed tokens): what is left is the engine's host work.
-    `groups` are (prompt length, samples) decoding together. Median over `blocks` blocks of `steps`."""
+def stub_engine(path: str, groups: list[tuple[int, int]], new_tokens: int) -> Engine:
+    """An engine with the model's forward stubbed (fixed logits) and the attention's metadata skipped,
+    decoding `groups` ((prompt length, samples) pairs) with `new_tokens` left per sample."""
     seqs = sum(n for _, n in groups)
-    longest = max(length for length, _ in groups) + blocks * steps + 40
+    longest = max(length for length, _ in groups) + new_tokens + 40
     engine = Engine(engine_config(path, max_model_len=longest, max_num_seqs=seqs))
     logits = torch.randn(1, seqs, engine.vocab_size)
     engine.runner.model.forward = lambda *args, logits_to_keep, **kw: SimpleNamespace(
@@ -138,22 +137,32 @@ def bench_step_overhead(path: str, groups: list[tuple[int, int]], stub_sampler: 
     engine.runner.backend.prepare_metadata = lambda meta: None  # the attention's own work
     for length, n in groups:
         engine.add_request([2 + i % 4000 for i in range(length)],
-                           SamplingParams(n=n, max_new_tokens=blocks * steps + 20, ignore_eos=True))
+                           SamplingParams(n=n, max_new_tokens=new_tokens + 20, ignore_eos=True))
     while len(engine.scheduler.running) < seqs or any(s.num_generated < 2 for s in engine.scheduler.running):
         engine.step()
-    if stub_sampler:
-        tokens, logprobs = torch.arange(seqs) + 2, torch.zeros(seqs)
-        model_runner.sample = lambda logits, batch: (tokens[: len(logits)], logprobs[: len(logits)])
-    times = []
+    return engine
+
+
+def bench_step_overhead(path: str, cases: dict[str, list[tuple[int, int]]], blocks: int = 5,
+                        steps: int = 20) -> dict[str, tuple[float, float]]:
+    """Milliseconds per decode step of each case with the model's forward stubbed: with the sampler's
+    math stubbed too (fixed tokens; what is left is the engine's host work), and with it. Median over
+    `blocks` blocks of `steps` steps, the blocks of all cases interleaved, so that the machine's drifting
+    speed weighs on every case alike."""
+    engines = {name: stub_engine(path, groups, 2 * blocks * steps) for name, groups in cases.items()}
+    tokens, logprobs = torch.arange(256) + 2, torch.zeros(256)
+    times: dict[tuple[str, bool], list[float]] = {(name, stub): [] for name in cases for stub in (True, False)}
     try:
-        for _ in range(blocks):
+        for _, stub, (name, engine) in itertools.product(range(blocks), (True, False), engines.items()):
+            model_runner.sample = (lambda logits, batch: (tokens[: len(logits)], logprobs[: len(logits)])
+                                   ) if stub else sampler.sample
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            times.append((time.perf_counter() - start) / steps * 1e3)
+            times[name, stub].append((time.perf_counter() - start) / steps * 1e3)
     finally:
         model_runner.sample = sampler.sample
-    return statistics.median(times)
+    return {name: (statistics.median(times[name, True]), statistics.median(times[name, False])) for name in cases}
 
 
 def best_generate(path: str, prompts, n: int, new: int) -> tuple[str, Callable[[], float]]:
@@ -219,14 +228,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "qwen3", **MODEL))
         results = rollout_rounds(path, make_prompts(args.prompts), args)
-        overhead = {name: [bench_step_overhead(path, groups, stub) for stub in (True, False)]
-                    for name, groups in OVERHEAD_CASES.items()}
+        overhead = bench_step_overhead(path, OVERHEAD_CASES)
         pressure = [] if args.skip_pressure else bench_pressure(path)
     print_rollout(results, args)
-    print("\nms per decode step, 256 sequences, model stubbed (median of 5 x 20 steps)")
-    print(f"{'case':<26}{'host (sampler stubbed)':>24}{'with the CPU sampler':>22}")
+    print("\nms per decode step, 256 sequences, model stubbed (median of 5 blocks of 20 steps, cases interleaved)")
+    print(f"{'case':<26}{'host (sampler stubbed)':>24}{'host / case a':>15}{'with the CPU sampler':>22}")
+    base = next(iter(overhead.values()))[0]
     for name, (host, with_sampler) in overhead.items():
-        print(f"{name:<26}{host:>24.2f}{with_sampler:>22.2f}")
+        print(f"{name:<26}{host:>24.2f}{host / base:>15.2f}{with_sampler:>22.2f}")
     if pressure:
         print_pressure(pressure)
 
