@@ -130,9 +130,10 @@ class ModelRunner:
         return peak
 
     def _warmup(self) -> None:
-        """One token through every layer, so a model our attention can't serve fails at load."""
+        """A two-token step through every layer, so a model our attention can't serve fails at load, and
+        the kernels of prefill steps are compiled before the first (decode graphs warm the decode ones)."""
         try:
-            self.forward(self._send(profile_plan(1, 1, self.block_size)))
+            self.forward(self._send(profile_plan(2, 1, self.block_size)))
         except NotImplementedError as err:
             raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
 

@@ -8,7 +8,7 @@ import torch
 from workers.engine.memory import pinned_empty
 from workers.engine.sequence import cdiv
 
-_ALIGN = 8  # every array starts at a multiple of the largest element size, so device views are aligned
+_ALIGN = 16  # every view is 16-byte aligned, as Triton assumes of the pointers its kernels were compiled for
 
 
 class Staging:
@@ -16,12 +16,14 @@ class Staging:
 
     Two buffers are used in turn, and a buffer is refilled only after the copy that last read it has
     completed, so filling step t+1's inputs never races step t's transfer. On the CPU the arrays
-    themselves are the result (shared, not copied): every step plans fresh arrays.
+    themselves are the result (shared, not copied: every step plans fresh arrays), unless `pack` asks
+    for the views of one buffer that CUDA kernels get (tests check their alignment).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.pack = self.cuda if pack is None else pack
         self.capacity = 0
         self.turn = 0
         self.host: list[torch.Tensor] = []
@@ -41,7 +43,7 @@ class Staging:
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Device tensors with the values and dtypes of `arrays`, after one host-to-device copy."""
-        if not self.cuda:
+        if not self.pack:
             return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
         offsets, end = {}, 0
         for name, array in arrays.items():

@@ -8,6 +8,9 @@ feeds `tl.dot` with `G` rows. Programs map to (sequence, tile) by a binary searc
 (CUDA-graph safe). With `num_splits > 1` each program covers one segment of the keys and writes a
 partial result (unnormalised accumulator, running max, running sum); a second kernel merges them.
 Scores, softmax statistics and accumulators are float32 whatever the input dtype (fp32/fp16/bf16).
+The batch size and the block-table width change from step to step, so they are not specialized on
+(Triton compiles a variant per integer that is 1, a multiple of 16, or neither): a new one would stall
+a step on a compile.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _key_range(seq_len, q_len, tile, window, BLOCK_Q: tl.constexpr, TILE_N: tl.c
     return lo, tl.minimum(hi, lo + per_split)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
         part_acc_ptr, part_stats_ptr, scale, softcap, window, num_seqs, stride_qt, stride_qh,
@@ -182,7 +185,7 @@ def _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dim
     tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, cu_q_ptr, num_seqs, stride_ot,
                          stride_oh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):

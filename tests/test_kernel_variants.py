@@ -1,0 +1,71 @@
+"""No step compiles a Triton kernel: every variant the engine's steps launch was launched at start.
+
+Triton compiles one binary per specialization of a launch: its constexprs, its launch options, and
+for each other argument its type, whether an integer equals 1 or is a multiple of 16, and whether a
+pointer is 16-byte aligned. On a GPU a new one stalls the step for seconds. Here every launch's key
+is computed with Triton's own specialization rules (the kernels run in the interpreter), the launches
+of CUDA start-up are replayed (the warm-up step, then each decode graph's warm-up run), and a
+workload of prefills of every size, forks, prefix-cache hits, chunked prompts and decodes must then
+launch no key outside that set. The step inputs are packed into one staging buffer as on CUDA, so
+their alignment is the one the GPU kernels see.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.conftest import make_engine, random_prompts, run
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from workers.engine.attention import triton_kernels  # noqa: E402
+from workers.engine.staging import Staging  # noqa: E402
+
+KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+
+
+class Recorder:
+    """Stands in for an interpreted kernel: records the specialization key of each launch, then runs it."""
+
+    def __init__(self, kernel, seen: set) -> None:
+        self.kernel, self.seen = kernel, seen
+        jit = JITFunction(kernel.fn, **kernel.kwargs)
+        self.bind = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+
+    def __getitem__(self, grid: tuple):
+        def launch(*args, **kwargs) -> None:
+            _, specialization, options = self.bind(*args, **kwargs)
+            self.seen.add((self.kernel.__name__, tuple(specialization), tuple(sorted(options.items()))))
+            self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("arch", ["gemma2"])
+def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch):
+    """gemma2: sliding and global layers, logit softcap."""
+    seen: set = set()
+    for name in KERNELS:
+        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name), seen))
+    engine = make_engine(model_dir(arch), attention_backend="triton", cuda_graphs=(False, True), max_num_seqs=8,
+                         max_batch_tokens=40)
+    graphs = engine.runner.graphs
+    for entry in graphs.graphs.values():  # what capturing each graph launches first on CUDA
+        graphs._launch(entry)
+    at_start = set(seen)
+    assert {kernel for kernel, *_ in at_start} >= {"_store_kv_kernel", "_paged_attention_kernel"}
+    engine.runner.staging = Staging(torch.device("cpu"), pack=True)
+    prompts = random_prompts(6, 512, (3, 45), seed=3)
+    prompts.append(prompts[0][:17] + [5])  # a prefix-cache hit: one prompt token left to compute
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=1)
+    run(engine, prompts, params)
+    assert graphs.replays > 0
+    new = seen - at_start
+    assert not new, f"{len(new)} kernel variants first launched after start-up, e.g. {sorted(new)[:2]}"
