@@ -34,7 +34,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     accounting after every step (slow: for tests and soak runs); a broken invariant fails the step.
 
     `cuda_graphs` is `(varlen, decode)`, as in transformers #45323: which steps replay CUDA graphs. None
-    means decode graphs on CUDA and none on the CPU. Decode graphs are captured at start for each padded
+    means decode graphs on CUDA (unless the attention is the torch reference, which cannot be captured)
+    and none on the CPU. Decode graphs are captured at start for each padded
     batch size and KV-length bucket; on the CPU, `(False, True)` runs the same padded static-buffer step
     eagerly, with no capture (how the tests cover it). Varlen graphs (prefill and mixed steps) are not
     supported: a True first flag is refused.
@@ -73,7 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")
         if self.gpu_memory_utilization > 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r} must be <= 1")
-        _check_cuda_graphs(self.cuda_graphs)
+        _check_cuda_graphs(self)
 
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
@@ -142,8 +143,10 @@ def _bound(struct: msgspec.Struct, op: str, bound: float, *names: str) -> None:
             raise ValueError(f"{type(struct).__name__}.{name}={value!r} must be {op} {bound}")
 
 
-def _check_cuda_graphs(value: object) -> None:
-    """ValueError unless `value` is None or a (varlen, decode) pair of bools with varlen off."""
+def _check_cuda_graphs(config: EngineConfig) -> None:
+    """ValueError unless `cuda_graphs` is None or a (varlen, decode) pair of bools with varlen off, and
+    decode graphs on CUDA go with an attention that can be captured (not the torch reference)."""
+    value = config.cuda_graphs
     if value is None:
         return
     if not (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, bool) for v in value)):
@@ -151,6 +154,10 @@ def _check_cuda_graphs(value: object) -> None:
     if value[0]:
         raise ValueError(f"EngineConfig.cuda_graphs={value!r}: varlen graphs (the first flag) are not supported; "
                          "use (False, True) for decode graphs, or None")
+    if value[1] and config.device.startswith("cuda") and config.attention_backend == "torch":
+        raise ValueError(f"EngineConfig.cuda_graphs={value!r} with attention_backend='torch' on CUDA: the torch "
+                         "reference attention syncs with the host and cannot be captured; use attention_backend="
+                         "'auto' or 'triton', or cuda_graphs=(False, False)")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], struct: str = "EngineConfig") -> None:

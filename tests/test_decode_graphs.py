@@ -42,6 +42,9 @@ def test_cuda_graphs_field():
     assert graphs.resolve(EngineConfig(model="m", device="cuda")) == (False, True)
     assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False))) == (False, False)
     assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True))) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", attention_backend="torch")) == (False, False)
+    with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(False, True\) with attention_backend='torch'"):
+        EngineConfig(model="m", device="cuda", attention_backend="torch", cuda_graphs=(False, True))
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(True, True\): varlen graphs .* not supported"):
         EngineConfig(model="m", cuda_graphs=(True, True))
     for bad in [(True,), (1, 0), [False, True], "on", (False, True, False)]:

@@ -35,10 +35,11 @@ MIN_KV_BUCKET = 1024
 
 
 def resolve(config: EngineConfig) -> tuple[bool, bool]:
-    """`config.cuda_graphs` as (varlen, decode), None resolved: decode graphs on CUDA, none on the CPU."""
+    """`config.cuda_graphs` as (varlen, decode), None resolved: decode graphs on CUDA (but not over the torch
+    reference attention, whose boolean indexing syncs with the host), none on the CPU."""
     if config.cuda_graphs is not None:
         return config.cuda_graphs
-    return False, config.device.startswith("cuda")
+    return False, config.device.startswith("cuda") and config.attention_backend != "torch"
 
 
 def batch_buckets(max_batch: int) -> list[int]:
