@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.engine.memory import pinned_empty
 from workers.engine.sequence import Sequence
 
 
 class BlockTables:
-    """`[max_num_seqs, max_blocks_per_seq]` int32 block ids, kept on the host (a pinned mirror on CUDA).
+    """`[max_num_seqs, max_blocks_per_seq]` int32 block ids, kept on the host.
 
     A sequence takes a row when it first runs in a step and gives it back when it loses its blocks
     (preempted, offloaded, finished). Between those, its blocks only grow, so `sync` writes only the
@@ -19,9 +18,9 @@ class BlockTables:
     read: every kernel stops at `seq_lens`.
     """
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pin: bool) -> None:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.host = pinned_empty((max_rows, max_blocks), torch.int32, pin).zero_()
+        self.host = torch.zeros((max_rows, max_blocks), dtype=torch.int32)
         self.array = self.host.numpy()
         self.written = np.zeros(max_rows, np.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))

@@ -1,8 +1,9 @@
-"""How big the KV cache is, in which dtype the model runs, and host memory pinned to the exact byte."""
+"""How big the KV cache is, in which dtype the model runs, and host memory pinned in whole pages."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import weakref
 from typing import Callable
@@ -17,6 +18,7 @@ from workers.engine.sequence import cdiv
 logger = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}
+PAGE = 4096  # bytes: host memory is page-locked in whole pages
 CPU_KV_SHARE = 0.2  # of the memory available at start, for the default CPU KV cache
 CPU_KV_CAP_GIB = 4.0  # so that two default workers sit comfortably on a 24 GiB machine
 
@@ -74,13 +76,19 @@ def log_cache(num_blocks: int, block_size: int, bytes_per_block: int, sized: boo
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host tensor, page-locked to its exact size when `pin` (torch's pinned
-    allocator would round the allocation up to a power of two)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if pin and tensor.numel():
-        nbytes = tensor.numel() * tensor.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-        weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    """An uninitialised host tensor, page-locked when `pin` to its size rounded up to whole pages (torch's
+    pinned allocator would round it up to a power of two). The locked pages hold nothing else, so two
+    registrations never share a page."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not (pin and nbytes):
+        return torch.empty(shape, dtype=dtype)
+    locked = cdiv(nbytes, PAGE) * PAGE
+    raw = torch.empty(locked + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    pages = raw[start:start + locked]
+    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), locked, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {int(err)}")
+    tensor = pages[:nbytes].view(dtype).view(shape)
+    weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, pages.data_ptr())
     return tensor

@@ -79,7 +79,7 @@ class ModelRunner:
         self.block_shape = (layers, 2, config.block_size, kv_heads, head_dim)
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
-                                  config.block_size, pin=self.device.type == "cuda")
+                                  config.block_size)
         self.row_params = RowParams(config.max_num_seqs)
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))

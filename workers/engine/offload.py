@@ -1,6 +1,6 @@
 """The CPU pool: KV blocks of offloaded sequences wait here until they are restored.
 
-On CUDA the pool is page-locked to its exact size and every copy runs on one copy stream, ordered
+On CUDA the pool is page-locked to its size in whole pages and every copy runs on one copy stream, ordered
 with the compute stream by waits on both sides: a device block freed by an offload is written again
 only by compute work queued after its copy, and copies that touch one CPU slot run in queue order on
 the copy stream, so a slot is never refilled before the copy that reads it. The host never touches
