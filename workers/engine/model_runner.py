@@ -70,6 +70,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # streams, events, graph capture and Triton use the current device
         self.model = load_model(config)
         layers, kv_heads, head_dim = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
