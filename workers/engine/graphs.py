@@ -99,13 +99,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> float:
-        """Capture every key's graph, largest first (smaller ones reuse the shared pool); seconds taken."""
+        """Capture every key's graph, largest first (smaller ones reuse the shared pool); seconds taken. The
+        memory they reserve is logged: it comes out of the headroom KV sizing leaves."""
+        cuda = self.runner.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.runner.device) if cuda else 0
         start = time.perf_counter()
         for batch in reversed(self.batch_sizes):
             for kv in reversed(self.kv_sizes):
                 self.graphs[graph_key(batch, kv)] = self._capture(batch, kv)
         seconds = time.perf_counter() - start
-        how = "captured" if self.runner.device.type == "cuda" else "set up (run eagerly on the CPU)"
+        how = (f"captured, reserving {(torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**30:.2f} GiB"
+               if cuda else "set up (run eagerly on the CPU)")
         logger.info("decode graphs: %d %s in %.2f s (batch buckets %s, KV buckets %s)", len(self.graphs), how,
                     seconds, self.batch_sizes, self.kv_sizes)
         return seconds
