@@ -150,12 +150,16 @@ def bench_step_overhead(path: str, cases: dict[str, list[tuple[int, int]]], bloc
     `blocks` blocks of `steps` steps, the blocks of all cases interleaved, so that the machine's drifting
     speed weighs on every case alike."""
     engines = {name: stub_engine(path, groups, 2 * blocks * steps) for name, groups in cases.items()}
-    tokens, logprobs = torch.arange(256) + 2, torch.zeros(256)
+    rows = max(engine.config.max_num_seqs for engine in engines.values())
+    tokens, logprobs = torch.arange(rows) + 2, torch.zeros(rows)
+
+    def fixed_sample(logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens[: len(logits)], logprobs[: len(logits)]
+
     times: dict[tuple[str, bool], list[float]] = {(name, stub): [] for name in cases for stub in (True, False)}
     try:
         for _, stub, (name, engine) in itertools.product(range(blocks), (True, False), engines.items()):
-            model_runner.sample = (lambda logits, batch: (tokens[: len(logits)], logprobs[: len(logits)])
-                                   ) if stub else sampler.sample
+            model_runner.sample = fixed_sample if stub else sampler.sample
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import weakref
 from typing import Callable
@@ -18,7 +19,7 @@ from workers.engine.sequence import cdiv
 logger = logging.getLogger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in config.DTYPES if name != "auto"}
-PAGE = 4096  # bytes: host memory is page-locked in whole pages
+PAGE = mmap.PAGESIZE  # host memory is page-locked in whole pages
 CPU_KV_SHARE = 0.2  # of the memory available at start, for the default CPU KV cache
 CPU_KV_CAP_GIB = 4.0  # so that two default workers sit comfortably on a 24 GiB machine
 
