@@ -7,7 +7,8 @@ is computed with Triton's own specialization rules (the kernels run in the inter
 of CUDA start-up are replayed (the warm-up step, then each decode graph's warm-up run), and a
 workload of prefills of every size, forks, prefix-cache hits, chunked prompts and decodes must then
 launch no key outside that set. The step inputs are packed into one staging buffer as on CUDA, so
-their alignment is the one the GPU kernels see.
+their alignment is the one the GPU kernels see. With decode graphs off, eager decode steps at every
+split count a card of H100_SMS multiprocessors gets must launch only variants compiled at start.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from workers.engine.attention import triton_kernels  # noqa: E402
+from workers.engine.attention import AttentionMetadata, triton_backend, triton_kernels  # noqa: E402
 from workers.engine.staging import Staging  # noqa: E402
 
 KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+H100_SMS = 132
 
 
 class Recorder:
@@ -48,12 +50,29 @@ class Recorder:
         return launch
 
 
-@pytest.mark.parametrize("arch", ["gemma2"])
-def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch):
-    """gemma2: sliding and global layers, logit softcap."""
+def record_launches(monkeypatch) -> set:
+    """The set every kernel launch from now on adds its specialization key to."""
     seen: set = set()
     for name in KERNELS:
         monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name), seen))
+    return seen
+
+
+def eager_decode(runner, num_seqs: int, max_seqlen_k: int) -> int:
+    """Launch an eager decode step with these host scalars (one cached token per sequence, nothing
+    written); the split count it chose."""
+    zeros = torch.zeros(num_seqs, dtype=torch.int64)
+    meta = AttentionMetadata(zeros - 1, torch.arange(num_seqs + 1, dtype=torch.int32),
+                             torch.ones(num_seqs, dtype=torch.int32), torch.zeros(num_seqs, 1, dtype=torch.int32),
+                             max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+    runner.model_forward(zeros, zeros, meta, 0, None)
+    return runner.backend.num_splits
+
+
+@pytest.mark.parametrize("arch", ["gemma2"])
+def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch):
+    """gemma2: sliding and global layers, logit softcap."""
+    seen = record_launches(monkeypatch)
     engine = make_engine(model_dir(arch), attention_backend="triton", cuda_graphs=(False, True), max_num_seqs=8,
                          max_batch_tokens=40)
     graphs = engine.runner.graphs
@@ -67,5 +86,21 @@ def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=1)
     run(engine, prompts, params)
     assert graphs.replays > 0
+    new = seen - at_start
+    assert not new, f"{len(new)} kernel variants first launched after start-up, e.g. {sorted(new)[:2]}"
+
+
+def test_eager_decodes_launch_only_variants_warmed_at_start(model_dir, monkeypatch):
+    """Decode graphs off, on a card of H100_SMS multiprocessors: decodes of every length up to
+    max_model_len choose split counts 1 to 16, each compiled at start."""
+    seen = record_launches(monkeypatch)
+    choose = triton_backend.choose_num_splits
+    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], H100_SMS))
+    engine = make_engine(model_dir("gemma2", max_position_embeddings=4096), attention_backend="triton",
+                         cuda_graphs=(False, False), max_num_seqs=8)
+    at_start = set(seen)
+    steps = [(1, 1), (5, 511), (1, 512), (5, 1500), (1, 2048), (5, 4096)]  # (sequences, longest)
+    splits = {eager_decode(engine.runner, num_seqs, length) for num_seqs, length in steps}
+    assert splits == {1, 2, 4, 8, 16}
     new = seen - at_start
     assert not new, f"{len(new)} kernel variants first launched after start-up, e.g. {sorted(new)[:2]}"

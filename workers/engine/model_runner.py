@@ -133,9 +133,15 @@ class ModelRunner:
 
     def _warmup(self) -> None:
         """A two-token step through every layer, so a model our attention can't serve fails at load, and
-        the kernels of prefill steps are compiled before the first (decode graphs warm the decode ones)."""
+        the kernels of prefill steps are compiled before the first; without decode graphs (which warm
+        their own), one-token steps compile each kernel variant an eager decode step can launch."""
         try:
             self.forward(self._send(profile_plan(2, 1, self.block_size)))
+            if not resolve(self.config)[1]:
+                decode = self._send(profile_plan(1, 1, self.block_size))
+                for length in self.backend.decode_warmup_lengths(self.max_model_len):
+                    decode.meta.max_seqlen_k = length
+                    self.forward(decode)
         except NotImplementedError as err:
             raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
 

@@ -46,6 +46,11 @@ class AttentionBackend:
         """Take this step's metadata; backends precompute what all layers share here."""
         self.meta = meta
 
+    def decode_warmup_lengths(self, max_model_len: int) -> list[int]:
+        """Values of `max_seqlen_k` at which one-sequence decode steps launch, between them, every kernel
+        variant an eager decode step of at most `max_model_len` tokens can launch (none to compile here)."""
+        return []
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> attention output `[T, Hq, D]`."""

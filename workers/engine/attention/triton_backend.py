@@ -72,6 +72,14 @@ class TritonBackend(AttentionBackend):
             meta.seq_lens.shape[0], self.kv_cache.shape[4], meta.max_seqlen_q, meta.max_seqlen_k,
             self.num_sms)
 
+    def decode_warmup_lengths(self, max_model_len: int) -> list[int]:
+        """One length per split count an eager decode step can choose: each power of two up to the count of a
+        one-sequence decode at `max_model_len` (the most any decode gets), times MIN_SPLIT_TOKENS."""
+        if self.num_kv_splits is not None:
+            return [max_model_len]
+        top = choose_num_splits(1, self.kv_cache.shape[4], 1, max_model_len, self.num_sms)
+        return [MIN_SPLIT_TOKENS << i for i in range(top.bit_length())]
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
