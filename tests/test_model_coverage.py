@@ -54,9 +54,12 @@ def prompts_of(lengths: list[int]) -> list[list[int]]:
 
 def greedy_references(model, prompts: list[list[int]]) -> list[list[int]]:
     """`generate`'s greedy continuation of each prompt, alone (an explicit mask: a prompt may hold the
-    pad id, which `generate` would otherwise mask out)."""
+    pad id, which `generate` would otherwise mask out). A LongRoPE model generates without a cache:
+    where its cached generate recomputes at the switch to the long factors, transformers 5.17 (the
+    GPU image's) feeds the last token alone and drops the context."""
+    longrope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
     outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=MAX_NEW, do_sample=False) for p in prompts]
+                           max_new_tokens=MAX_NEW, do_sample=False, use_cache=not longrope) for p in prompts]
     return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]
 
 
