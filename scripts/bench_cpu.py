@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 import transformers
+from bench_gpu_hf import generate_all
 
 from rollout import SamplingParams
 from workers.engine import Engine, EngineConfig, model_runner, sampler
@@ -98,9 +99,8 @@ def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
     """tokens/s of transformers' own continuous batching (`generate_batch`) on the workload."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate_batch(prompts, generation_config=hf_generation_config(n, new))
-    tokens = sum(len(o.generated_tokens) for o in out.values())
+    out = generate_all(model, prompts, hf_generation_config(n, new), None, progress=False)
+    tokens = sum(len(o.generated_tokens) for o in out if o.error is None)
     return tokens / (time.perf_counter() - start)
 
 

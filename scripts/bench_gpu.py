@@ -20,7 +20,9 @@ Systems, one at a time on the card, each loading the model afresh for each workl
                    those fields it runs as it is: it has neither)
   hf-default       model.generate_batch, ContinuousBatchingConfig defaults (+ the workload's cache/offload)
   hf-graphs-async  the same with use_cuda_graph=True (varlen and decode paths) and use_async_batching=True
-A variant whose option this branch or this transformers lacks is reported unavailable, not run.
+A variant whose option this branch or this transformers lacks is reported unavailable, not run. transformers
+runs `generate_batch`'s own steps with the outputs collected by bench_gpu_hf.py: transformers 5.17 (the GPU
+image's) returns only the first of each prompt's n samples from `generate_batch`.
 
 Printed per model and workload: tokens/s (generated tokens over the generation's time: the engine's
 `generate` call; transformers' first request created to last request finished), each engine's ratio to
@@ -63,6 +65,7 @@ import transformers
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu_hf as hf  # noqa: E402
 import bench_gpu_runs as runs  # noqa: E402
 from bench_gpu_runs import ENGINE_SYSTEMS, HF_SYSTEMS, MODELS, WORKLOADS  # noqa: E402
 
@@ -120,7 +123,7 @@ def run_one(model: str, path: Path | None, item: str, system: str, args: argpars
     """One system on one workload (or the decode probe): a result row, never an exception."""
     row = {"model": model, "workload": item, "system": system}
     is_engine = system in ENGINE_SYSTEMS
-    options, note = runs.engine_options(system) if is_engine else runs.hf_options(system, args.device)
+    options, note = runs.engine_options(system) if is_engine else hf.hf_options(system, args.device)
     if options is None:
         return {**row, "status": note}
     if past_budget(args):
@@ -131,7 +134,7 @@ def run_one(model: str, path: Path | None, item: str, system: str, args: argpars
         else:
             w = args.workload_defs[item]
             prompts = runs.make_prompts(w.prompts, w.prompt_len, MODELS[model][1]["vocab_size"])
-            result = (runs.run_engine if is_engine else runs.run_hf)(path, w, prompts, options, args)
+            result = (runs.run_engine if is_engine else hf.run_hf)(path, w, prompts, options, args)
             if "status" not in result:
                 result["tokens_per_s"] = result["tokens"] / result["seconds"]
                 made = result["tokens"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import inspect
 import json
 import shutil
 import statistics
@@ -236,64 +235,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # yields a tied parameter once
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     return total - (embedding.numel() * embedding.element_size() if embedding is not head else 0)
-
-
-# ---- transformers generate_batch --------------------------------------------------------------------
-def hf_options(system: str, device: str) -> tuple[dict | None, str]:
-    """ContinuousBatchingConfig options of `system`, or None and why it cannot run here."""
-    cls = getattr(transformers, "ContinuousBatchingConfig", None)
-    generate_batch = getattr(transformers.GenerationMixin, "generate_batch", lambda: None)
-    if cls is None or "continuous_batching_config" not in inspect.signature(generate_batch).parameters:
-        version = transformers.__version__
-        return None, f"unavailable: transformers {version} has no generate_batch(continuous_batching_config=)"
-    if system == "hf-default":
-        return {}, ""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    missing = [f for f in ("use_cuda_graph", "use_async_batching") if f not in fields]
-    if missing:
-        return None, f"unavailable: ContinuousBatchingConfig has no {' or '.join(missing)}"
-    if not device.startswith("cuda"):
-        return None, "unavailable: transformers' CUDA graphs and async batching need CUDA (async raises on the CPU)"
-    return {"use_cuda_graph": True, "use_async_batching": True}, ""
-
-
-def hf_cache_options(w: Workload, args) -> tuple[dict, str]:
-    """The workload's cache options for transformers (same KV tokens and offload GiB as the engine)."""
-    out = dict(args.hf_extra)
-    if w.kv_tokens:
-        page = out.get("page_size", getattr(transformers.ContinuousBatchingConfig, "page_size", 256))
-        out["num_blocks"] = w.kv_tokens // page
-    if w.offload and args.device.startswith("cuda"):
-        out["cpu_offload_space"] = args.offload_gib
-    if w.offload and "cpu_offload_space" not in out:
-        return out, "offload off: transformers pins its CPU pool, which needs CUDA"
-    return out, ""
-
-
-def hf_generation_config(w: Workload) -> transformers.GenerationConfig:
-    """transformers' settings matching `sampling_params(w)`; eos_token_id=-1 disables eos."""
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if w.sampling else dict(do_sample=False)
-    return transformers.GenerationConfig(max_new_tokens=w.new_tokens, num_return_sequences=w.n, eos_token_id=-1,
-                                         pad_token_id=0, **sampling)
-
-
-def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
-    """One timed `generate_batch` of workload `w` on a freshly loaded model. The generation's time runs
-    from the first request's creation to the last one's end (transformers' own benchmark's measure);
-    start-up is the load plus the rest of the call (cache allocation, graph warm-up)."""
-    start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=args.torch_dtype,
-                                                              device_map=args.device).eval()
-    load = time.perf_counter() - start
-    cache, note = hf_cache_options(w, args)
-    cb_config = transformers.ContinuousBatchingConfig(**cache, **options)
-    start = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=hf_generation_config(w), continuous_batching_config=cb_config,
-                               progress_bar=args.progress)
-    wall = time.perf_counter() - start
-    done = [o for o in out.values() if o.error is None and o.is_finished()]
-    if not done:
-        return {"status": f"failed: generate_batch returned {len(out)} outputs, none finished", "note": note}
-    seconds = max(o.lifespan[1] for o in done) - min(o.created_time for o in done)
-    tokens = sum(len(o.generated_tokens) for o in done)
-    return {"tokens": tokens, "seconds": seconds, "startup_s": load + wall - seconds, "note": note}
