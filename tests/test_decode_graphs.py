@@ -13,6 +13,7 @@ from rollout import SamplingParams
 from rollout.config import EngineConfig, load_service_config
 from tests.conftest import make_engine, random_prompts, run
 from workers.engine import graphs
+from workers.engine.attention import triton_backend
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
 from workers.engine.pipeline import Sampled
 
@@ -127,3 +128,19 @@ def test_planted_key_without_the_kv_bucket_fails_the_replay_check(long_model, mo
     run(engine, PROMPTS, PARAMS)
     assert {kv for (_, kv), _, ok in checks if not ok} == {2048}
     assert all(ok for (_, kv), _, ok in checks if kv == 1024)
+
+
+def test_keys_with_equal_backend_scalars_share_a_graph(long_model, monkeypatch):
+    """Triton on a simulated 8-SM card: from batch 2 up, both KV buckets get the same split count, so
+    their keys share one graph (captured at the larger bucket), and its replays stay exact."""
+    choose = triton_backend.choose_num_splits
+    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], 8))
+    engine = make_engine(long_model, attention_backend="triton", cuda_graphs=DECODE_GRAPHS, **ENGINE)
+    table = engine.runner.graphs.graphs
+    assert len(table) == 12 and len({id(entry) for entry in table.values()}) == 7
+    assert table[(1, 1024)] is not table[(1, 2048)] and table[(2, 1024)] is table[(2, 2048)]
+    checks = checking_replays(engine)
+    params = SamplingParams(n=2, temperature=0.9, max_new_tokens=5, seed=3, ignore_eos=True)
+    run(engine, random_prompts(2, 512, (5, 30), seed=7), params)
+    assert checks and all(ok for *_, ok in checks), [c for c in checks if not c[2]]
+    assert any(batch > 1 for (batch, _), _, _ in checks), "a shared graph replayed"

@@ -7,7 +7,9 @@ at the real count) and zero block-table rows. Its key is (batch bucket, KV bucke
 into a launch is a function of the key (the torch backend's gather width, the Triton backend's split
 count), never of the step's own lengths, so a graph captured at a key is exact for every step with that
 key. A key without the KV bucket is the bug of transformers #45323: a graph captured for short
-sequences replayed for long ones.
+sequences replayed for long ones. Keys of one batch bucket whose scalars are equal (the backend's
+`graph_scalars`: the Triton split count, which is 1 at every KV bucket once a batch fills the GPU)
+share one graph, so far fewer graphs are captured than there are keys.
 
 On CUDA every graph is captured at start. On the CPU the same path runs eagerly: the static buffers are
 refilled and the forward runs with the metadata its key was given at "capture", not recomputed.
@@ -104,21 +106,26 @@ class DecodeGraphs:
         cuda = self.runner.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.runner.device) if cuda else 0
         start = time.perf_counter()
+        captured: dict[tuple, _Graph] = {}
         for batch in reversed(self.batch_sizes):
             for kv in reversed(self.kv_sizes):
-                self.graphs[graph_key(batch, kv)] = self._capture(batch, kv)
+                meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
+                                         self.block_table[:batch], max_seqlen_q=1, max_seqlen_k=kv,
+                                         decode_graph=True)
+                scalars = (batch, *self.runner.backend.graph_scalars(meta))
+                if scalars not in captured:
+                    captured[scalars] = self._capture(batch, meta)
+                self.graphs[graph_key(batch, kv)] = captured[scalars]
         seconds = time.perf_counter() - start
         how = (f"captured, reserving {(torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**30:.2f} GiB"
                if cuda else "set up (run eagerly on the CPU)")
-        logger.info("decode graphs: %d %s in %.2f s (batch buckets %s, KV buckets %s)", len(self.graphs), how,
-                    seconds, self.batch_sizes, self.kv_sizes)
+        logger.info("decode graphs: %d %s for %d keys in %.2f s (batch buckets %s, KV buckets %s)", len(captured),
+                    how, len(self.graphs), seconds, self.batch_sizes, self.kv_sizes)
         return seconds
 
-    def _capture(self, batch: int, kv: int) -> _Graph:
+    def _capture(self, batch: int, meta: AttentionMetadata) -> _Graph:
         """The graph of one key: its metadata, and on CUDA its launches, after a warm-up run that compiles
         every kernel variant of the key (the buffers hold padding only: nothing is written)."""
-        meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
-                                 self.block_table[:batch], max_seqlen_q=1, max_seqlen_k=kv, decode_graph=True)
         entry = _Graph(batch, meta)
         if self.runner.device.type != "cuda":
             return entry
@@ -128,8 +135,8 @@ class DecodeGraphs:
             with torch.cuda.graph(entry.graph, pool=self.pool):
                 self._launch(entry)
         except RuntimeError as err:
-            raise RuntimeError(f"capturing the decode graph of batch {batch}, KV bucket {kv} failed: {err}; "
-                               "EngineConfig.cuda_graphs=(False, False) runs decode steps eagerly") from err
+            raise RuntimeError(f"capturing the decode graph of batch {batch}, KV bucket {meta.max_seqlen_k} failed: "
+                               f"{err}; EngineConfig.cuda_graphs=(False, False) runs decode steps eagerly") from err
         if self.pool is None:
             self.pool = entry.graph.pool()
         return entry

@@ -46,6 +46,12 @@ class AttentionBackend:
         """Take this step's metadata; backends precompute what all layers share here."""
         self.meta = meta
 
+    def graph_scalars(self, meta: AttentionMetadata) -> tuple:
+        """The host scalars this backend bakes into the launches of a decode-graph step with metadata `meta`
+        (besides the tensors' shapes): two keys of one batch bucket whose scalars are equal share a graph.
+        By default the KV bucket itself (the torch backend gathers that many keys)."""
+        return (meta.max_seqlen_k,)
+
     def decode_warmup_lengths(self, max_model_len: int) -> list[int]:
         """Values of `max_seqlen_k` at which one-sequence decode steps launch, between them, every kernel
         variant an eager decode step of at most `max_model_len` tokens can launch (none to compile here)."""

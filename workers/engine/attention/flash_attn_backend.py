@@ -61,6 +61,10 @@ class FlashAttnBackend(AttentionBackend):
         super().prepare_metadata(meta)
         self.cu_seqlens_k = torch.nn.functional.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
 
+    def graph_scalars(self, meta: AttentionMetadata) -> tuple:
+        """None: flash-attn's decode kernel takes its choices from the tensors' shapes."""
+        return ()
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""

@@ -68,9 +68,15 @@ class TritonBackend(AttentionBackend):
         """Take the step's metadata and choose the decode tiles and the KV split count."""
         super().prepare_metadata(meta)
         self.decode_only = meta.max_seqlen_q == 1
-        self.num_splits = self.num_kv_splits or choose_num_splits(
-            meta.seq_lens.shape[0], self.kv_cache.shape[4], meta.max_seqlen_q, meta.max_seqlen_k,
-            self.num_sms)
+        self.num_splits = self._splits(meta)
+
+    def _splits(self, meta: AttentionMetadata) -> int:
+        return self.num_kv_splits or choose_num_splits(
+            meta.seq_lens.shape[0], self.kv_cache.shape[4], meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
+
+    def graph_scalars(self, meta: AttentionMetadata) -> tuple:
+        """The split count: the tile shape follows from the decode step and the tensors' shapes."""
+        return (self._splits(meta),)
 
     def decode_warmup_lengths(self, max_model_len: int) -> list[int]:
         """One length per split count an eager decode step can choose: each power of two up to the count of a
