@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.sequence import cdiv
@@ -90,41 +89,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor) -> None:
     """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`.
 
-    Keys and values are gathered whole blocks at a time and read as strided views, so no per-token
-    gather or transposed copy of the cache is made. Without a softcap one fused
-    `scaled_dot_product_attention` serves every head; with one, scores are formed per KV head.
+    Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
+    views, so no per-token gather or transposed copy of the cache is made.
     """
     rows, max_q = group.q_pos.shape
-    h_kv, d = k_cache.shape[2], q.shape[2]
+    h_q, d = q.shape[1], q.shape[2]
+    h_kv = k_cache.shape[2]
+    g = h_q // h_kv
     qp = group.gather(q)
     keys = k_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
     values = v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
-    if softcap:
-        res = _softcapped(qp, keys, values, group.mask(sliding_window), scale, softcap)
-    else:
-        res = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=group.mask(sliding_window)[:, None], scale=scale, enable_gqa=True).transpose(1, 2)
-    group.scatter(out, res)
-
-
-def _softcapped(qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                scale: float, softcap: float) -> torch.Tensor:
-    """Attention `[rows, max_q, Hq, D]` with scores capped by `softcap * tanh(s / softcap)`, one KV head
-    at a time: queries `[rows, max_q, Hq, D]`, keys and values `[rows, keys, Hkv, D]`."""
-    rows, max_q, h_q, d = qp.shape
-    h_kv = keys.shape[2]
-    g = h_q // h_kv
-    hidden = ~visible[:, None]
-    res = qp.new_empty(rows, max_q, h_kv, g, d)
+    hidden = ~group.mask(sliding_window)[:, None]
+    res = q.new_empty(rows, max_q, h_kv, g, d)
     for h in range(h_kv):
         qh = qp[:, :, h * g:(h + 1) * g].transpose(1, 2).reshape(rows, g * max_q, d)
         scores = torch.bmm(qh, keys[:, :, h].transpose(1, 2)).mul_(scale)
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.view(rows, g, max_q, -1).masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(qp.dtype).view(rows, g * max_q, -1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(rows, g * max_q, -1)
         res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, d).transpose(1, 2)
-    return res.view(rows, max_q, h_q, d)
+    group.scatter(out, res.view(rows, max_q, h_q, d))
 
 
 class TorchBackend(AttentionBackend):
