@@ -48,6 +48,13 @@ def model_dir(tmp_path_factory):
     return lambda arch="qwen3", **overrides: build(arch, **overrides)
 
 
+def simulate_sms(monkeypatch, num_sms: int) -> None:
+    """Make the Triton backend choose its KV split counts as on a card of `num_sms` multiprocessors."""
+    from workers.engine.attention import triton_backend
+    choose = triton_backend.choose_num_splits
+    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], num_sms))
+
+
 def make_engine(model: str, **config) -> Engine:
     """An in-process CPU float32 engine with test-sized defaults."""
     defaults = dict(device="cpu", dtype="float32", block_size=16, num_blocks=256, max_batch_tokens=256)

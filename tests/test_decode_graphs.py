@@ -11,9 +11,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, load_service_config
-from tests.conftest import make_engine, random_prompts, run
+from tests.conftest import make_engine, random_prompts, run, simulate_sms
 from workers.engine import graphs
-from workers.engine.attention import triton_backend
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
 from workers.engine.pipeline import Sampled
 
@@ -133,8 +132,7 @@ def test_planted_key_without_the_kv_bucket_fails_the_replay_check(long_model, mo
 def test_keys_with_equal_backend_scalars_share_a_graph(long_model, monkeypatch):
     """Triton on a simulated 8-SM card: from batch 2 up, both KV buckets get the same split count, so
     their keys share one graph (captured at the larger bucket), and its replays stay exact."""
-    choose = triton_backend.choose_num_splits
-    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], 8))
+    simulate_sms(monkeypatch, 8)
     engine = make_engine(long_model, attention_backend="triton", cuda_graphs=DECODE_GRAPHS, **ENGINE)
     table = engine.runner.graphs.graphs
     assert len(table) == 12 and len({id(entry) for entry in table.values()}) == 7

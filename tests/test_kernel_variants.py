@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import make_engine, random_prompts, run
+from tests.conftest import make_engine, random_prompts, run, simulate_sms
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from workers.engine.attention import AttentionMetadata, triton_backend, triton_kernels  # noqa: E402
+from workers.engine.attention import AttentionMetadata, triton_kernels  # noqa: E402
 from workers.engine.staging import Staging  # noqa: E402
 
 KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
@@ -94,8 +94,7 @@ def test_eager_decodes_launch_only_variants_warmed_at_start(model_dir, monkeypat
     """Decode graphs off, on a card of H100_SMS multiprocessors: decodes of every length up to
     max_model_len choose split counts 1 to 16, each compiled at start."""
     seen = record_launches(monkeypatch)
-    choose = triton_backend.choose_num_splits
-    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], H100_SMS))
+    simulate_sms(monkeypatch, H100_SMS)
     engine = make_engine(model_dir("gemma2", max_position_embeddings=4096), attention_backend="triton",
                          cuda_graphs=(False, False), max_num_seqs=8)
     at_start = set(seen)
