@@ -15,6 +15,7 @@ from rollout import SamplingParams
 from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine
+from workers.engine.longrope import uses_longrope
 
 ACCEPTED = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "phi3_longrope", "olmo2",
             "stablelm", "cohere", "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon", "gemma", "phi",
@@ -57,7 +58,7 @@ def greedy_references(model, prompts: list[list[int]]) -> list[list[int]]:
     pad id, which `generate` would otherwise mask out). A LongRoPE model generates without a cache:
     where its cached generate recomputes at the switch to the long factors, transformers 5.17 (the
     GPU image's) feeds the last token alone and drops the context."""
-    longrope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
+    longrope = uses_longrope(model.config)
     outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=MAX_NEW, do_sample=False, use_cache=not longrope) for p in prompts]
     return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]

@@ -54,11 +54,15 @@ class PerSequenceLongRope(torch.nn.Module):
         return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
 
 
+def uses_longrope(config: transformers.PretrainedConfig) -> bool:
+    """Whether a model of `config` has one LongRoPE rotary embedding (Phi-3's `rope_parameters`)."""
+    return (getattr(config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
+
+
 def install_per_sequence_longrope(model: transformers.PreTrainedModel) -> None:
     """Replace the rotary embedding of a LongRoPE `model` (Phi-3: one shared `rotary_emb`) by a
     `PerSequenceLongRope`; other models are left untouched."""
-    rope = getattr(model.config, "rope_parameters", None) or {}
-    if rope.get("rope_type") != "longrope":
+    if not uses_longrope(model.config):
         return
     base = model.base_model
     base.rotary_emb = PerSequenceLongRope(base.rotary_emb)
