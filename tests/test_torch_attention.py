@@ -30,8 +30,11 @@ def naive(q, keys, values, q_pos, scale, window, softcap):
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0), (6, 2.0)])
 @pytest.mark.parametrize("h_q, h_kv", [(4, 4), (8, 2), (5, 1)])
-@pytest.mark.parametrize("chunk_bytes", [2 << 20, 1], ids=["one_group", "group_per_row"])
-def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_bytes):
+@pytest.mark.parametrize("chunk_blocks, num_groups", [(1 << 20, 2), (0, 5), (6, 4)],
+                         ids=["one_group", "group_per_row", "six_blocks"])
+def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_blocks, num_groups):
+    """Decodes and prefills apart, each sorted by length into groups of at most `chunk_blocks` gathered
+    blocks per row group: six blocks put the decodes of 1 and 9 keys together (in reversed order)."""
     torch.manual_seed(0)
     bs, d, pairs = 4, 16, [(1, 9), (5, 5), (3, 13), (1, 1), (7, 20)]
     kv = torch.zeros(1, 2, 64, bs, h_kv, d)
@@ -51,13 +54,27 @@ def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_bytes):
     q = torch.randn(len(new_k), h_q, d)
     cu = torch.tensor([0, *itertools.accumulate(q for q, _ in pairs)], dtype=torch.int32)
     backend = TorchBackend(kv)
-    backend.chunk_bytes = chunk_bytes
+    backend.chunk_bytes = chunk_blocks * bs * h_kv * d * kv.element_size()
     backend.prepare_metadata(AttentionMetadata(torch.tensor(slots), cu, torch.tensor([k for _, k in pairs],
                                                dtype=torch.int32), tables, 7, 20))
-    assert len(backend.groups) == (2 if chunk_bytes > 1 else len(pairs))
+    assert len(backend.groups) == num_groups
     out = backend.forward(0, q, new_k, new_v, 0.3, window, softcap)
     for b, (q_len, k_len) in enumerate(pairs):
         for i in range(q_len):
             t = int(cu[b]) + i
             want = naive(q[t], keys[b], values[b], k_len - q_len + i, 0.3, window, softcap)
             torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_grouped_by_length_within_budget():
+    """Rows sorted by length fill each group up to the byte budget, padded to the group's longest row."""
+    bs, h_kv, d = 4, 2, 8
+    backend = TorchBackend(torch.zeros(1, 2, 128, bs, h_kv, d))
+    backend.chunk_bytes = 6 * bs * h_kv * d * 4
+    lengths = [40, 5, 33, 6, 7, 41, 8]
+    tables = torch.arange(len(lengths) * 11, dtype=torch.int32).view(len(lengths), 11)
+    backend.prepare_metadata(AttentionMetadata(torch.zeros(len(lengths), dtype=torch.int64),
+                                               torch.arange(len(lengths) + 1, dtype=torch.int32),
+                                               torch.tensor(lengths, dtype=torch.int32), tables, 1, 41))
+    groups = [[lengths[i] for i in (group.q_index.tolist())] for group in backend.groups]
+    assert groups == [[5, 6, 7], [8], [33], [40], [41]]

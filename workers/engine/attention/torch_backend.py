@@ -120,8 +120,9 @@ class TorchBackend(AttentionBackend):
     chunk_bytes = 2 << 20
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
-        """Take the step's metadata and group its sequences into row groups of bounded K/V size: by
-        their lengths' values, or for a decode graph step by its key alone (no host sync)."""
+        """Take the step's metadata and group its sequences into row groups of bounded K/V size: sorted
+        by their lengths' values, so that rows padded to a group's longest are padded little; for a
+        decode graph step by its key alone (no host sync)."""
         super().prepare_metadata(meta)
         if meta.decode_graph:
             self.groups = self._decode_groups(meta)
@@ -130,9 +131,20 @@ class TorchBackend(AttentionBackend):
         self.groups = []
         for rows in ((q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()):
             if rows.numel():
-                size = self._rows_per_group(int(meta.seq_lens[rows].max()))
-                self.groups += [_PackedGroup(meta, rows[i:i + size], self.block_size)
-                                for i in range(0, rows.numel(), size)]
+                lengths, order = meta.seq_lens[rows].sort(stable=True)
+                rows = rows[order]
+                self.groups += [_PackedGroup(meta, rows[i:j], self.block_size)
+                                for i, j in self._spans(lengths.tolist())]
+
+    def _spans(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Split rows sorted by length into runs whose gathered K/V (each row padded to the run's
+        last, longest, row) stay within `chunk_bytes`; sorting keeps that padding small."""
+        spans, start = [], 0
+        for i, length in enumerate(lengths):
+            if i > start and (i + 1 - start) * self._row_bytes(length) > self.chunk_bytes:
+                spans.append((start, i))
+                start = i
+        return spans + [(start, len(lengths))]
 
     def _decode_groups(self, meta: AttentionMetadata) -> list[_Group]:
         """Every row of a padded decode step, each gathering the blocks of `max_seqlen_k` keys (the KV
@@ -144,9 +156,12 @@ class TorchBackend(AttentionBackend):
                 for i in range(0, num_rows, size)]
 
     def _rows_per_group(self, max_seq_len: int) -> int:
+        return max(1, self.chunk_bytes // self._row_bytes(max_seq_len))
+
+    def _row_bytes(self, seq_len: int) -> int:
+        """Bytes of K (or V) gathered for one row of `seq_len` keys: whole blocks."""
         per_token = self.kv_cache[0, 0, 0, 0].numel() * self.kv_cache.element_size()
-        per_row = cdiv(max_seq_len, self.block_size) * self.block_size * per_token
-        return max(1, self.chunk_bytes // per_row)
+        return cdiv(seq_len, self.block_size) * self.block_size * per_token
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
