@@ -76,5 +76,5 @@ def test_rows_grouped_by_length_within_budget():
     backend.prepare_metadata(AttentionMetadata(torch.zeros(len(lengths), dtype=torch.int64),
                                                torch.arange(len(lengths) + 1, dtype=torch.int32),
                                                torch.tensor(lengths, dtype=torch.int32), tables, 1, 41))
-    groups = [[lengths[i] for i in (group.q_index.tolist())] for group in backend.groups]
+    groups = [[lengths[i] for i in group.q_index.tolist()] for group in backend.groups]
     assert groups == [[5, 6, 7], [8], [33], [40], [41]]
