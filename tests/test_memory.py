@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -85,3 +87,16 @@ def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
     for cpu_slot, dst in ((6, 0), (2, 4), (0, 3), (1, 1)):
         src = {0: 5, 1: 1, 2: 3, 6: 2}[cpu_slot]
         assert torch.equal(cache[:, :, dst], original[:, :, src])
+
+
+@pytest.mark.parametrize("cuda_graphs, phases", [((False, False), ["load", "KV cache", "warm-up"]),
+                                                 ((False, True), ["load", "KV cache", "warm-up", "decode graphs"])])
+def test_start_up_is_logged_by_phase(model_dir, caplog, cuda_graphs, phases):
+    """The engine logs its start-up once, in total and by phase (decode graphs only when built)."""
+    with caplog.at_level(logging.INFO, logger="workers.engine.model_runner"):
+        engine = make_engine(model_dir(), cuda_graphs=cuda_graphs)
+    startup = engine.runner.startup_s
+    assert list(startup) == phases and all(seconds >= 0 for seconds in startup.values())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up")]
+    assert line.startswith(f"engine start-up: {sum(startup.values()):.2f} s (load ")
+    assert all(f"{name} {seconds:.2f} s" in line for name, seconds in startup.items())

@@ -3,8 +3,12 @@ packed forward (a decode graph's replay when one serves the step) and one sampli
 
 from __future__ import annotations
 
+import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -23,6 +27,8 @@ from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_ba
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
@@ -64,6 +70,14 @@ class StepInputs:
     token_lengths: torch.Tensor | None = None  # per packed token, its sequence's length (per-sequence LongRoPE)
 
 
+@contextmanager
+def _phase(times: dict[str, float], name: str) -> Iterator[None]:
+    """Record the seconds the block takes as `times[name]`."""
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
+
+
 class ModelRunner:
     """Packs the tokens of a step into one sequence, runs the model, samples the kept rows."""
 
@@ -72,7 +86,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams, events, graph capture and Triton use the current device
-        self.model = load_model(config)
+        self.startup_s: dict[str, float] = {}
+        with _phase(self.startup_s, "load"):
+            self.model = load_model(config)
         layers, kv_heads, head_dim = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         hf = self.model.config
@@ -86,12 +102,17 @@ class ModelRunner:
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.graphs: DecodeGraphs | None = None
-        self.num_blocks = self._size_cache()
-        self.kv_cache = self._new_cache(self.num_blocks)
+        with _phase(self.startup_s, "KV cache"):
+            self.num_blocks = self._size_cache()
+            self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
-        self._warmup()
+        with _phase(self.startup_s, "warm-up"):
+            self._warmup()
         if resolve(config)[1]:
-            self.graphs = DecodeGraphs(self)
+            with _phase(self.startup_s, "decode graphs"):
+                self.graphs = DecodeGraphs(self)
+        logger.info("engine start-up: %.2f s (%s)", sum(self.startup_s.values()),
+                    ", ".join(f"{name} {s:.2f} s" for name, s in self.startup_s.items()))
 
     @property
     def graph_capture_s(self) -> float:
