@@ -188,6 +188,7 @@ def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict,
     tokens = pc.sum(pc.list_value_length(table["token_ids"])).as_py()
     return {"tokens": tokens, "seconds": seconds, "startup_s": startup,
             "graph_capture_s": getattr(engine.runner, "graph_capture_s", None),
+            "startup_phases_s": getattr(engine.runner, "startup_s", None),
             "preemptions": {k: after[k] - before[k] for k in ("offloads", "restores", "recomputes")}}
 
 

@@ -65,6 +65,8 @@ def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
             prompts, n, new = map(int, SIZES.search(printed[run["workload"]][0]).groups())
             assert run["tokens"] == prompts * n * new, run
             assert run["tokens_per_s"] > 0 and run["startup_s"] > 0
+            if run["system"].startswith("engine"):
+                assert sum(run["startup_phases_s"].values()) < run["startup_s"]
 
 
 def test_a_bad_workload_is_refused_before_any_work(tmp_path):
