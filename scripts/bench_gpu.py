@@ -27,7 +27,8 @@ image's) returns only the first of each prompt's n samples from `generate_batch`
 Printed per model and workload: tokens/s (generated tokens over the generation's time: the engine's
 `generate` call; transformers' first request created to last request finished), each engine's ratio to
 each transformers variant, start-up seconds (engine: construction = load, KV sizing, warm-up and graph
-capture, plus a 2-prompt warm-up call; "capture" is the runner's `graph_capture_s` where it reports one;
+capture, plus a 2-prompt warm-up call; "capture" is the runner's `graph_capture_s` where it reports one,
+and the JSON's `startup_phases_s` the runner's seconds per phase of construction;
 transformers: model load plus the rest of the call: cache allocation and its graph warm-up) and the
 engine's preemptions. Target: this engine (engine-on) at least 2x every transformers variant.
 
