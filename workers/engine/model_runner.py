@@ -71,10 +71,12 @@ class StepInputs:
 
 
 @contextmanager
-def _phase(times: dict[str, float], name: str) -> Iterator[None]:
-    """Record the seconds the block takes as `times[name]`."""
+def _phase(times: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
+    """Record the seconds the block takes as `times[name]`, its device work included."""
     start = time.perf_counter()
     yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times[name] = time.perf_counter() - start
 
 
@@ -87,7 +89,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams, events, graph capture and Triton use the current device
         self.startup_s: dict[str, float] = {}
-        with _phase(self.startup_s, "load"):
+        with _phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
         layers, kv_heads, head_dim = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
@@ -102,14 +104,14 @@ class ModelRunner:
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.graphs: DecodeGraphs | None = None
-        with _phase(self.startup_s, "KV cache"):
+        with _phase(self.startup_s, "KV cache", self.device):
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
-        with _phase(self.startup_s, "warm-up"):
+        with _phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if resolve(config)[1]:
-            with _phase(self.startup_s, "decode graphs"):
+            with _phase(self.startup_s, "decode graphs", self.device):
                 self.graphs = DecodeGraphs(self)
         logger.info("engine start-up: %.2f s (%s)", sum(self.startup_s.values()),
                     ", ".join(f"{name} {s:.2f} s" for name, s in self.startup_s.items()))
