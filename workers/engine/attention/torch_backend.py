@@ -119,6 +119,10 @@ class TorchBackend(AttentionBackend):
 
     chunk_bytes = 2 << 20
 
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        super().__init__(kv_cache)
+        self.block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # one block of one layer's K
+
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and group its sequences into row groups of bounded K/V size: sorted
         by their lengths' values, so that rows padded to a group's longest are padded little; for a
@@ -160,8 +164,7 @@ class TorchBackend(AttentionBackend):
 
     def _row_bytes(self, seq_len: int) -> int:
         """Bytes of K (or V) gathered for one row of `seq_len` keys: whole blocks."""
-        per_token = self.kv_cache[0, 0, 0, 0].numel() * self.kv_cache.element_size()
-        return cdiv(seq_len, self.block_size) * self.block_size * per_token
+        return cdiv(seq_len, self.block_size) * self.block_bytes
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
