@@ -78,15 +78,13 @@ def log_cache(num_blocks: int, block_size: int, bytes_per_block: int, sized: boo
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised host tensor, page-locked when `pin` to its size rounded up to whole pages (torch's
-    pinned allocator would round it up to a power of two). The locked pages hold nothing else, so two
-    registrations never share a page."""
+    pinned allocator would round it up to a power of two). It owns a mapping of its own, so the locked
+    pages hold nothing else and torch sees the tensor as pinned."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not (pin and nbytes):
         return torch.empty(shape, dtype=dtype)
     locked = cdiv(nbytes, PAGE) * PAGE
-    raw = torch.empty(locked + PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE
-    pages = raw[start:start + locked]
+    pages = torch.frombuffer(mmap.mmap(-1, locked, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
     err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), locked, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {int(err)}")
