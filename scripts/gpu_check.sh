@@ -4,8 +4,9 @@
 #     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
 #     step makes exactly one host sync (torch's sync debug mode), automatic KV sizing stays within
-#     the card's budget (tests/test_gpu_step.py), and LongRoPE, mixed-window, MoE and GPT-2 models stay
-#     exact through captured decode graphs (tests/test_model_coverage.py);
+#     the card's budget (tests/test_gpu_step.py), LongRoPE, mixed-window and GPT-2 models stay exact
+#     through captured decode graphs, and an MoE model does in bfloat16, the one dtype its experts
+#     (torch._grouped_mm) capture in (tests/test_model_coverage.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set; results in $OUT/bench_gpu.json). It starts no run once GPU_CHECK_BUDGET_S
@@ -31,6 +32,7 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
     tests/test_memory.py tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
+    tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16 \
     "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"

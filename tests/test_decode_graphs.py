@@ -11,7 +11,8 @@ import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, load_service_config
-from tests.conftest import make_engine, random_prompts, run, simulate_sms
+from tests.conftest import hf_model, make_engine, random_prompts, run, simulate_sms
+from tests.model_zoo import build_zoo_model
 from workers.engine import graphs
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
 from workers.engine.pipeline import Sampled
@@ -37,12 +38,13 @@ def test_buckets():
     assert kv_buckets(5000) == [1024, 2048, 4096, 8192]
 
 
-def test_cuda_graphs_field():
-    assert graphs.resolve(EngineConfig(model="m")) == (False, False)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda")) == (False, True)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False))) == (False, False)
-    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True))) == (False, True)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda", attention_backend="torch")) == (False, False)
+def test_cuda_graphs_field(model_dir):
+    dense = hf_model(model_dir())
+    assert graphs.resolve(EngineConfig(model="m"), dense) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda"), dense) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False)), dense) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True)), dense) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", attention_backend="torch"), dense) == (False, False)
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(False, True\) with attention_backend='torch'"):
         EngineConfig(model="m", device="cuda", attention_backend="torch", cuda_graphs=(False, True))
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(True, True\): varlen graphs .* not supported"):
@@ -52,6 +54,19 @@ def test_cuda_graphs_field():
             EngineConfig(model="m", cuda_graphs=bad)
     from_toml = load_service_config(engine={"model": "m", "cuda_graphs": [False, True]}).engine
     assert from_toml.cuda_graphs == (False, True)
+
+
+def test_moe_decode_graphs_only_in_bfloat16_on_cuda(tmp_path):
+    """transformers' MoE experts (torch._grouped_mm) capture only in bfloat16 (seen on an H100, torch 2.11):
+    in another dtype decode graphs on CUDA are refused when asked for and off by default; on the CPU,
+    where nothing is captured, they stay on."""
+    moe = hf_model(build_zoo_model("mixtral", tmp_path))
+    on_cuda = EngineConfig(model="m", device="cuda")
+    assert graphs.resolve(on_cuda, moe) == (False, False)
+    with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): the MoE experts .*_grouped_mm.*float32"):
+        graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, True)), moe)
+    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True)), moe) == (False, True)
+    assert graphs.resolve(on_cuda, moe.to(torch.bfloat16)) == (False, True)
 
 
 def replay_check(runner, inputs) -> tuple[tuple[int, int], int, bool]:

@@ -36,12 +36,28 @@ logger = logging.getLogger(__name__)
 MIN_KV_BUCKET = 1024
 
 
-def resolve(config: EngineConfig) -> tuple[bool, bool]:
+def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
     """`config.cuda_graphs` as (varlen, decode), None resolved: decode graphs on CUDA (but not over the torch
-    reference attention, whose boolean indexing syncs with the host), none on the CPU."""
+    reference attention, whose boolean indexing syncs with the host, nor for a model that cannot be
+    captured), none on the CPU. ValueError when decode graphs are asked for such a model."""
+    blocker = capture_blocker(config, model)
     if config.cuda_graphs is not None:
+        if config.cuda_graphs[1] and blocker:
+            raise ValueError(f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: {blocker}; use "
+                             "cuda_graphs=(False, False) or None")
         return config.cuda_graphs
-    return False, config.device.startswith("cuda") and config.attention_backend != "torch"
+    return False, config.device.startswith("cuda") and config.attention_backend != "torch" and blocker is None
+
+
+def capture_blocker(config: EngineConfig, model: torch.nn.Module) -> str | None:
+    """Why `model`'s decode step cannot be captured on CUDA, or None. transformers' MoE experts run
+    torch._grouped_mm, which only in bfloat16 stays on the device (other dtypes copy group offsets
+    to the host)."""
+    experts = getattr(model.config, "_experts_implementation", None)
+    if config.device.startswith("cuda") and experts == "grouped_mm" and model.dtype != torch.bfloat16:
+        return (f"the MoE experts of this model run torch._grouped_mm, which in {model.dtype} copies to the "
+                "host and cannot be captured in a CUDA graph (only bfloat16 can)")
+    return None
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -93,6 +93,7 @@ class ModelRunner:
             self.model = load_model(config)
         layers, kv_heads, head_dim = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
+        self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.block_size = config.block_size
@@ -110,7 +111,7 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         with _phase(self.startup_s, "warm-up", self.device):
             self._warmup()
-        if resolve(config)[1]:
+        if self.decode_graphs:
             with _phase(self.startup_s, "decode graphs", self.device):
                 self.graphs = DecodeGraphs(self)
         logger.info("engine start-up: %.2f s (%s)", sum(self.startup_s.values()),
@@ -160,7 +161,7 @@ class ModelRunner:
         their own), one-token steps compile each kernel variant an eager decode step can launch."""
         try:
             self.forward(self._send(profile_plan(2, 1, self.block_size)))
-            if not resolve(self.config)[1]:
+            if not self.decode_graphs:
                 decode = self._send(profile_plan(1, 1, self.block_size))
                 for length in self.backend.decode_warmup_lengths(self.max_model_len):
                     decode.meta.max_seqlen_k = length
