@@ -99,6 +99,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-context", type=int, default=1024, help="their prompt length (default 1024)")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed (default 32)")
     parser.add_argument("--budget-s", type=float, help="start no run after this many seconds (default: no limit)")
+    parser.add_argument("--hf-timeout-s", type=float, default=240.0,
+                        help="stop a transformers run that has not finished after this many seconds and report "
+                             "what it made (default 240)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (float32)")
     args = parser.parse_args()
@@ -106,7 +109,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--smoke runs the tiny model only; drop --models")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (torch.cuda.is_available() is False); --smoke runs on the CPU")
-    for name in ("offload_gib", "decode_seqs", "decode_context", "decode_steps"):
+    for name in ("offload_gib", "decode_seqs", "decode_context", "decode_steps", "hf_timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
     items = args.workloads or DEFAULTS["workloads"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 from pathlib import Path
 
@@ -73,8 +74,10 @@ def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, arg
     cache, note = hf_cache_options(w, args)
     cb_config = transformers.ContinuousBatchingConfig(**cache, **options)
     start = time.perf_counter()
-    out = generate_all(model, prompts, hf_generation_config(w), cb_config, args.progress)
+    out = generate_all(model, prompts, hf_generation_config(w), cb_config, args.progress, start + args.hf_timeout_s)
     wall = time.perf_counter() - start
+    if wall > args.hf_timeout_s:
+        note = "; ".join(x for x in (note, f"stopped after --hf-timeout-s {args.hf_timeout_s:g}") if x)
     done = [o for o in out if o.error is None]
     if not done:
         return {"status": f"failed: generate_batch's steps gave {len(out)} outputs, none without an error",
@@ -86,10 +89,12 @@ def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, arg
 
 @torch.no_grad()  # as generate_batch: its worker thread updates tensors made here in place
 def generate_all(model, prompts: list[list[int]], generation_config: transformers.GenerationConfig,
-                 cb_config: transformers.ContinuousBatchingConfig | None, progress: bool) -> list:
-    """Every finished output of transformers' continuous batching, each prompt's forked samples included:
-    the steps of `generate_batch` (its manager, warm-up and workload hints), collected here because
-    transformers 5.17's `generate_batch` returns only the first sample of each prompt."""
+                 cb_config: transformers.ContinuousBatchingConfig | None, progress: bool,
+                 deadline: float = math.inf) -> list:
+    """Every output of transformers' continuous batching finished before `deadline` (a perf_counter time),
+    each prompt's forked samples included: the steps of `generate_batch` (its manager, warm-up and workload
+    hints), collected here because transformers 5.17's `generate_batch` returns only the first sample of
+    each prompt."""
     from transformers.generation.continuous_batching.utils import WorkloadHints  # only where hf_options passed
 
     wanted = len(prompts) * (generation_config.num_return_sequences or 1)
@@ -100,7 +105,7 @@ def generate_all(model, prompts: list[list[int]], generation_config: transformer
                                                     continuous_batching_config=cb_config, workload_hints=hints)
           as manager, tqdm(total=wanted, disable=not progress, desc="generate_batch") as bar):
         manager.add_requests(inputs=prompts, max_new_tokens=generation_config.max_new_tokens)
-        while len(done) < wanted:
+        while len(done) < wanted and time.perf_counter() < deadline:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 done[result.request_id] = result
