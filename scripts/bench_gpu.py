@@ -39,9 +39,14 @@ the bytes one step must read, every weight once (an untied input embedding excep
 per sequence) plus every sequence's KV at the block's mean length, over the card's copy bandwidth measured
 at the start of the run (1 GiB device-to-device copies, bytes read + written per second). Target: >= 60%.
 
-Time: a device call may run 600 s. The defaults (qwen3-1.7b; decode, multi_return_seq, few_blocks,
-rollouts_1024) are meant to fit one call (not yet timed on a GPU); --budget-s starts no run after that many
-seconds (the rest are marked skipped). The full run needs several calls, for example:
+Time: a device call may run 600 s. On an H100 (2026-11-24) the defaults (qwen3-1.7b; decode,
+multi_return_seq) took about 330 s, most of it transformers' runs (75 s and 80 s on multi_return_seq);
+few_blocks took about 140 s with transformers' graphs+async run cut at 100 s, and rollouts_1024 needs more
+than --hf-timeout-s 90 per transformers variant. --budget-s starts no run after that many seconds (the rest
+are marked skipped); --hf-timeout-s stops a transformers run that has not finished. The full run needs
+several calls, for example:
+  --models qwen3-1.7b --workloads few_blocks
+  --models qwen3-1.7b --workloads rollouts_1024 --systems hf-default --hf-timeout-s 400
   --models qwen3-1.7b --workloads rollouts_2048 rollouts_4096
   --models qwen3-1.7b --workloads rollouts_8192 --systems engine-on hf-default   (and so on per system)
   --models llama-3.1-8b --workloads decode multi_return_seq few_blocks
@@ -72,7 +77,7 @@ from bench_gpu_runs import ENGINE_SYSTEMS, HF_SYSTEMS, MODELS, WORKLOADS  # noqa
 
 SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS
 ITEMS = ("decode", *WORKLOADS)
-DEFAULTS = {"models": ["qwen3-1.7b"], "workloads": ["decode", "multi_return_seq", "few_blocks", "rollouts_1024"]}
+DEFAULTS = {"models": ["qwen3-1.7b"], "workloads": ["decode", "multi_return_seq"]}
 SMOKE = dict(device="cpu", dtype="float32", models=["tiny"], engine_extra={"kv_cache_memory_gib": 0.05},
              hf_extra={"page_size": 16, "num_blocks": 64, "max_batch_tokens": 256}, offload_gib=0.01,
              decode_seqs=16, decode_context=32, decode_steps=8)

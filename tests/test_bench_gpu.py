@@ -43,7 +43,8 @@ def tables(stdout: str) -> dict[str, tuple[str, dict[str, str]]]:
 
 def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
     results = tmp_path / "bench.json"
-    proc = bench(tmp_path, "--smoke", "--no-progress", "--json", str(results))
+    proc = bench(tmp_path, "--smoke", "--no-progress", "--json", str(results),
+                 "--workloads", "decode", "multi_return_seq", "few_blocks", "rollouts_1024")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     printed = tables(proc.stdout)
     assert list(printed) == ["decode", "multi_return_seq", "few_blocks", "rollouts_1024"]
