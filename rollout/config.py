@@ -36,9 +36,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `cuda_graphs` is `(varlen, decode)`, as in transformers #45323: which steps replay CUDA graphs. None
     means decode graphs on CUDA (unless the attention is the torch reference, or the model has MoE experts
     in a dtype other than bfloat16: neither can be captured) and none on the CPU. Decode graphs are
-    captured at start for each padded batch size and KV-length bucket; on the CPU, `(False, True)` runs the same padded static-buffer step
-    eagerly, with no capture (how the tests cover it). Varlen graphs (prefill and mixed steps) are not
-    supported: a True first flag is refused.
+    captured at start for each padded batch size and KV-length bucket; on the CPU, `(False, True)` runs
+    the same padded static-buffer step eagerly, with no capture (how the tests cover it). Varlen graphs
+    (prefill and mixed steps) are not supported: a True first flag is refused.
 
     `async_batching` schedules and prepares step t+1 while the device runs step t, whose sampled tokens
     reach step t+1's inputs on the device; None turns it on for CUDA and off for the CPU, where it runs

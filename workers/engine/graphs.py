@@ -46,13 +46,15 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
             raise ValueError(f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: {blocker}; use "
                              "cuda_graphs=(False, False) or None")
         return config.cuda_graphs
+    if blocker:
+        logger.info("decode graphs off: %s", blocker)
     return False, config.device.startswith("cuda") and config.attention_backend != "torch" and blocker is None
 
 
 def capture_blocker(config: EngineConfig, model: torch.nn.Module) -> str | None:
     """Why `model`'s decode step cannot be captured on CUDA, or None. transformers' MoE experts run
-    torch._grouped_mm, which only in bfloat16 stays on the device (other dtypes copy group offsets
-    to the host)."""
+    torch._grouped_mm, which only in bfloat16 stays on the device (in other dtypes it copies between
+    host and device, which a capture refuses)."""
     experts = getattr(model.config, "_experts_implementation", None)
     if config.device.startswith("cuda") and experts == "grouped_mm" and model.dtype != torch.bfloat16:
         return (f"the MoE experts of this model run torch._grouped_mm, which in {model.dtype} copies to the "
