@@ -99,8 +99,8 @@ def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
     """tokens/s of transformers' own continuous batching (`generate_batch`) on the workload."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     start = time.perf_counter()
-    out = generate_all(model, prompts, hf_generation_config(n, new), None, progress=False)
-    tokens = sum(len(o.generated_tokens) for o in out if o.error is None)
+    run = generate_all(model, prompts, hf_generation_config(n, new), None, progress=False)
+    tokens = sum(len(o.generated_tokens) for o in run.done if o.error is None)
     return tokens / (time.perf_counter() - start)
 
 

@@ -8,6 +8,7 @@ import inspect
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -64,8 +65,9 @@ def hf_generation_config(w: Workload) -> transformers.GenerationConfig:
 
 
 def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
-    """One timed `generate_batch` of workload `w` on a freshly loaded model. The generation's time runs
-    from the first request's creation to the last one's end (transformers' own benchmark's measure);
+    """One timed `generate_batch` of workload `w` on a freshly loaded model, to the end or for --window-s
+    seconds from adding the requests (at most --hf-timeout-s). The generation's time runs from the first
+    request's creation to the last one's end (transformers' own benchmark's measure), or to the stop;
     start-up is the load plus the rest of the call (cache allocation, graph warm-up)."""
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=args.torch_dtype,
@@ -74,27 +76,39 @@ def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, arg
     cache, note = hf_cache_options(w, args)
     cb_config = transformers.ContinuousBatchingConfig(**cache, **options)
     start = time.perf_counter()
-    out = generate_all(model, prompts, hf_generation_config(w), cb_config, args.progress, start + args.hf_timeout_s)
+    limit = min(args.window_s or math.inf, args.hf_timeout_s)
+    run = generate_all(model, prompts, hf_generation_config(w), cb_config, args.progress, limit)
     wall = time.perf_counter() - start
-    if wall > args.hf_timeout_s:
+    if run.unfinished and limit != args.window_s:
         note = "; ".join(x for x in (note, f"stopped after --hf-timeout-s {args.hf_timeout_s:g}") if x)
-    done = [o for o in out if o.error is None]
-    if not done:
-        return {"status": f"failed: generate_batch's steps gave {len(out)} outputs, none without an error",
-                "note": note}
-    seconds = max(o.lifespan[1] for o in done) - min(o.created_time for o in done)
-    tokens = sum(len(o.generated_tokens) for o in done)
-    return {"tokens": tokens, "seconds": seconds, "startup_s": load + wall - seconds, "note": note}
+    done = [o for o in run.done if o.error is None]
+    outputs = done + run.unfinished
+    if not outputs:
+        return {"status": "failed: generate_batch's steps gave no output without an error", "note": note}
+    end = run.stopped if run.unfinished else max(o.lifespan[1] for o in done)
+    seconds = end - min(o.created_time for o in outputs)
+    return {"tokens": sum(len(o.generated_tokens) for o in outputs), "seconds": seconds,
+            "samples_finished": len(done), "startup_s": load + wall - seconds,
+            "cut": bool(run.unfinished) and limit == args.window_s, "note": note}
+
+
+class HFRun(NamedTuple):
+    """What `generate_all` collected: the finished outputs, what the unfinished had made when it stopped
+    waiting, and that moment (a perf_counter time)."""
+
+    done: list
+    unfinished: list
+    stopped: float
 
 
 @torch.no_grad()  # as generate_batch: its worker thread updates tensors made here in place
 def generate_all(model, prompts: list[list[int]], generation_config: transformers.GenerationConfig,
                  cb_config: transformers.ContinuousBatchingConfig | None, progress: bool,
-                 deadline: float = math.inf) -> list:
-    """Every output of transformers' continuous batching finished before `deadline` (a perf_counter time),
-    each prompt's forked samples included: the steps of `generate_batch` (its manager, warm-up and workload
-    hints), collected here because transformers 5.17's `generate_batch` returns only the first sample of
-    each prompt."""
+                 limit_s: float = math.inf) -> HFRun:
+    """The outputs of transformers' continuous batching that finished within `limit_s` seconds of adding the
+    requests, each prompt's forked samples included, and what the unfinished ones had made by then: the steps of
+    `generate_batch` (its manager, warm-up and workload hints), collected here because transformers 5.17's
+    `generate_batch` returns only the first sample of each prompt."""
     from transformers.generation.continuous_batching.utils import WorkloadHints  # only where hf_options passed
 
     wanted = len(prompts) * (generation_config.num_return_sequences or 1)
@@ -105,11 +119,32 @@ def generate_all(model, prompts: list[list[int]], generation_config: transformer
                                                     continuous_batching_config=cb_config, workload_hints=hints)
           as manager, tqdm(total=wanted, disable=not progress, desc="generate_batch") as bar):
         manager.add_requests(inputs=prompts, max_new_tokens=generation_config.max_new_tokens)
-        while len(done) < wanted and time.perf_counter() < deadline:
-            result = manager.get_result(timeout=1)
+        deadline = time.perf_counter() + limit_s
+        while len(done) < wanted and (left := deadline - time.perf_counter()) > 0:
+            result = manager.get_result(timeout=min(1.0, left))
             if result is not None and result.is_finished():
                 done[result.request_id] = result
                 bar.update(1)
             elif result is None and not manager.is_running():
                 break
-    return list(done.values())
+        stopped = time.perf_counter()
+        unfinished = [] if len(done) == wanted else unfinished_outputs(manager, done)
+        if unfinished:  # a flushing stop would finish them first: drop them now (the exit's stop then only warns)
+            manager.stop(block=True, timeout=60, hard_stop=True)
+    return HFRun(list(done.values()), unfinished, stopped)
+
+
+def unfinished_outputs(manager, done: dict) -> list:
+    """What the requests still in transformers' scheduler (running, or waiting after a preemption) have made,
+    as outputs, read while its worker thread runs; results queued meanwhile join `done` (a request that
+    finishes after that counts what it had made at the read)."""
+    processor = manager.batch_processor
+    if processor is None:
+        return []
+    scheduler = processor.scheduler
+    states = [*list(scheduler.active_requests.values()), *list(scheduler.waiting_requests.values())]
+    snapshot = [s.to_generation_output() for s in states]
+    while (result := manager.get_result(timeout=0)) is not None:
+        if result.is_finished():
+            done[result.request_id] = result
+    return [o for o in snapshot if o.request_id not in done]

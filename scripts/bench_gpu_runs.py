@@ -7,14 +7,15 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import shutil
 import statistics
 import time
 from pathlib import Path
 
-import pyarrow.compute as pc
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 from rollout import SamplingParams
 from workers.engine import Engine, EngineConfig
@@ -171,7 +172,7 @@ def start_engine(config: EngineConfig) -> tuple[Engine, float]:
 
 
 def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
-    """One timed `Engine.generate` of workload `w` on a fresh engine."""
+    """One timed run of workload `w` on a fresh engine: to the end, or for --window-s seconds."""
     sizes = {"max_model_len": w.prompt_len + w.new_tokens, "block_size": BLOCK_SIZE}
     if w.kv_tokens:
         sizes["num_blocks"] = w.kv_tokens // BLOCK_SIZE
@@ -182,14 +183,35 @@ def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict,
     engine, startup = start_engine(config)
     before = engine.stats()
     start = time.perf_counter()
-    table = engine.generate(prompts, sampling_params(w), use_tqdm=args.progress)
+    rows = generate_until(engine, prompts, sampling_params(w), start + (args.window_s or math.inf), args.progress)
     seconds = time.perf_counter() - start
     after = engine.stats()
-    tokens = pc.sum(pc.list_value_length(table["token_ids"])).as_py()
-    return {"tokens": tokens, "seconds": seconds, "startup_s": startup,
+    graphs = engine.runner.graphs
+    return {"tokens": sum(len(r["token_ids"]) for r in rows), "seconds": seconds, "startup_s": startup,
+            "samples_finished": sum(r["finish_reason"] != "abort" for r in rows),
+            "cut": any(r["finish_reason"] == "abort" for r in rows),
             "graph_capture_s": getattr(engine.runner, "graph_capture_s", None),
+            "graph_warmup_s": getattr(graphs, "warmup_s", None), "graphs": getattr(graphs, "num_captured", None),
             "startup_phases_s": getattr(engine.runner, "startup_s", None),
             "preemptions": {k: after[k] - before[k] for k in ("offloads", "restores", "recomputes")}}
+
+
+def generate_until(engine: Engine, prompts: list[list[int]], params: SamplingParams, deadline: float,
+                   progress: bool) -> list[dict]:
+    """A row per sample, as `Engine.generate` steps them, until all finish or `deadline` (a perf_counter
+    time) passes; then the unfinished are aborted and their rows hold what they made."""
+    ids = [engine.add_request(p, params, prompt_index=i) for i, p in enumerate(prompts)]
+    rows = []
+    with tqdm(total=len(prompts) * params.n, disable=not progress, desc="samples") as bar:
+        while engine.has_unfinished() and time.perf_counter() < deadline:
+            done = engine.step()
+            rows += done
+            bar.update(len(done))
+    for request_id in ids:
+        rows += engine.abort(request_id)
+    while engine.has_unfinished():
+        rows += engine.step()
+    return rows
 
 
 def decode_probe(path: Path, options: dict, args) -> dict:

@@ -1,15 +1,18 @@
 """scripts/bench_gpu.py --smoke end to end on the CPU: a table per workload with a row per system and the
 status this branch and device should give, every run that finished generated exactly its workload's
-tokens, and a bad option is refused before any work."""
+tokens, a run cut at --window-s counts what it made, and a bad option is refused before any work."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 from rollout.config import EngineConfig
 
@@ -75,3 +78,22 @@ def test_a_bad_workload_is_refused_before_any_work(tmp_path):
     proc = bench(tmp_path, "--smoke", "--workloads", "rollouts_999", "--json", str(results))
     assert proc.returncode == 2 and "rollouts_999" in proc.stderr
     assert not results.exists() and not (tmp_path / "models").exists()
+
+
+def test_a_window_cuts_every_system_and_counts_the_unfinished_tokens(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_gpu
+    import bench_gpu_runs as runs
+
+    long = runs.Workload("long", prompts=2, prompt_len=16, n=2, new_tokens=3000)  # minutes on this CPU
+    args = argparse.Namespace(device="cpu", dtype="float32", torch_dtype=torch.float32, progress=False,
+                              engine_extra={"kv_cache_memory_gib": 0.05}, offload_gib=0.01, budget_s=None,
+                              hf_extra={"page_size": 16, "num_blocks": 4 * 3016 // 16 + 8, "max_batch_tokens": 256},
+                              window_s=1.0, hf_timeout_s=240.0, workload_defs={"long": long}, t0=0.0)
+    path = runs.prepare_model(tmp_path, "tiny", torch.float32, "cpu")
+    for system in ("engine-on", "engine-off", "hf-default"):
+        row = bench_gpu.run_one("tiny", path, "long", system, args)
+        assert row["status"] == "ok" and row["cut"], row
+        assert 0 < row["tokens"] < long.tokens and row["samples_finished"] == 0, row
+        assert row["seconds"] >= args.window_s and row["tokens_per_s"] == row["tokens"] / row["seconds"]
+        assert f"cut at the 1 s window: {row['tokens']} of {long.tokens} tokens, 0 of 4 samples" in row["note"]

@@ -150,7 +150,7 @@ def test_keys_with_equal_backend_scalars_share_a_graph(long_model, monkeypatch):
     simulate_sms(monkeypatch, 8)
     engine = make_engine(long_model, attention_backend="triton", cuda_graphs=DECODE_GRAPHS, **ENGINE)
     table = engine.runner.graphs.graphs
-    assert len(table) == 12 and len({id(entry) for entry in table.values()}) == 7
+    assert len(table) == 12 and len({id(entry) for entry in table.values()}) == 7 == engine.runner.graphs.num_captured
     assert table[(1, 1024)] is not table[(1, 2048)] and table[(2, 1024)] is table[(2, 2048)]
     checks = checking_replays(engine)
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=5, seed=3, ignore_eos=True)

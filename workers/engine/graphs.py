@@ -115,6 +115,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.pool = None
         self.replays = 0  # decode steps served, for tests and benchmarks
+        self.warmup_s = 0.0  # of capture_s: the warm-up launches, which compile kernel variants on first use
+        self.num_captured = 0
         self.capture_s = self._capture_all()
 
     @torch.inference_mode()
@@ -134,11 +136,12 @@ class DecodeGraphs:
                 if scalars not in captured:
                     captured[scalars] = self._capture(batch, meta)
                 self.graphs[graph_key(batch, kv)] = captured[scalars]
-        seconds = time.perf_counter() - start
+        seconds, self.num_captured = time.perf_counter() - start, len(captured)
         how = (f"captured, reserving {(torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**30:.2f} GiB"
                if cuda else "set up (run eagerly on the CPU)")
-        logger.info("decode graphs: %d %s for %d keys in %.2f s (batch buckets %s, KV buckets %s)", len(captured),
-                    how, len(self.graphs), seconds, self.batch_sizes, self.kv_sizes)
+        logger.info("decode graphs: %d %s for %d keys in %.2f s, %.2f s of it warm-up launches (batch buckets %s, "
+                    "KV buckets %s)", len(captured), how, len(self.graphs), seconds, self.warmup_s, self.batch_sizes,
+                    self.kv_sizes)
         return seconds
 
     def _capture(self, batch: int, meta: AttentionMetadata) -> _Graph:
@@ -147,7 +150,10 @@ class DecodeGraphs:
         entry = _Graph(batch, meta)
         if self.runner.device.type != "cuda":
             return entry
+        start = time.perf_counter()
         self._launch(entry)
+        torch.cuda.synchronize(self.runner.device)
+        self.warmup_s += time.perf_counter() - start
         entry.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(entry.graph, pool=self.pool):
