@@ -50,16 +50,13 @@ window's. This is how rollouts_N fits a device call (transformers would need 3 t
 
 Time: a device call may run 600 s. On an H100 (2026-11-24) the defaults (qwen3-1.7b; decode,
 multi_return_seq) took about 330 s, most of it transformers' runs (75 s and 80 s on multi_return_seq);
-few_blocks took about 140 s with transformers' graphs+async run cut at 100 s, and rollouts_1024 needs more
-than --hf-timeout-s 90 per transformers variant. --budget-s starts no run after that many seconds (the rest
-are marked skipped); --hf-timeout-s stops a transformers run that has not finished. The full run needs
-several calls, for example:
-  --models qwen3-1.7b --workloads few_blocks
-  --models qwen3-1.7b --workloads rollouts_1024 --systems hf-default --hf-timeout-s 400
-  --models qwen3-1.7b --workloads rollouts_2048 rollouts_4096
-  --models qwen3-1.7b --workloads rollouts_8192 --systems engine-on hf-default   (and so on per system)
-  --models llama-3.1-8b --workloads decode multi_return_seq few_blocks
-  --models llama-3.1-8b --workloads rollouts_1024 ...
+few_blocks took about 140 s with transformers' graphs+async run cut at 100 s, and transformers finished no
+rollouts_1024 sample within 90 s. --budget-s starts no run after that many seconds (the rest are marked
+skipped); --hf-timeout-s stops a transformers run that has not finished; --window-s makes rollouts fit.
+docs/benchmarks.md lists the calls that complete the matrix, for example:
+  --window-s 20 --workloads rollouts_1024 rollouts_2048 rollouts_4096 rollouts_8192 rollouts_16384
+  --window-s 20 --models llama-3.1-8b --workloads decode multi_return_seq few_blocks
+  --systems engine-on --workloads rollouts_2048 rollouts_4096 rollouts_8192   (whole runs, no window)
 Results go to --json after every run (default $OUT/bench_gpu.json when $OUT is set), so a call cut short
 keeps what finished. --smoke runs a tiny model and tiny workloads on the CPU in float32: every path but the
 CUDA-only ones (graph capture, transformers' async batching and pinned offload); its figures mean nothing.
