@@ -93,8 +93,8 @@ WORKLOAD_ROW = "{:<17}{:>10}{:>15}{:>20}{:>12}{:>17}{:>11}  {}"
 DECODE_ROW = "{:<17}{:>9}{:>12}{:>12}{:>13}{:>13}  {}"
 
 
-def parse_args() -> argparse.Namespace:
-    """Options, checked before any work; --smoke replaces the device, model and sizes."""
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's options, with this docstring as its --help."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if m != "tiny"],
                         help=f"models to run (default {' '.join(DEFAULTS['models'])})")
@@ -118,6 +118,12 @@ def parse_args() -> argparse.Namespace:
                              "what it made (default 240)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workloads on the CPU (float32)")
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    """Options, checked before any work; --smoke replaces the device, model and sizes."""
+    parser = make_parser()
     args = parser.parse_args()
     if args.smoke and args.models:
         parser.error("--smoke runs the tiny model only; drop --models")
