@@ -32,6 +32,11 @@ ZOO: dict[str, tuple[type, dict]] = {
     "phi3_longrope": (tf.Phi3Config, {**_LLAMA_LIKE, "pad_token_id": 0, "hidden_size": 64, "num_attention_heads": 8,
                                       "num_key_value_heads": 4, "max_position_embeddings": 128,
                                       "original_max_position_embeddings": 32, "rope_parameters": _LONGROPE}),
+    "llama3_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {  # Llama 3.1's frequency scaling
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen2_yarn": (tf.Qwen2Config, {**_LLAMA_LIKE, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
     "olmo2": (tf.Olmo2Config, {**_LLAMA_LIKE, "pad_token_id": 0}),
     "stablelm": (tf.StableLmConfig, {**_LLAMA_LIKE, "partial_rotary_factor": 0.5}),
     "cohere": (tf.CohereConfig, {**_LLAMA_LIKE, "pad_token_id": 0}),
