@@ -35,6 +35,8 @@ ZOO: dict[str, tuple[type, dict]] = {
     "llama3_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {  # Llama 3.1's frequency scaling
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama_linear_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     "qwen2_yarn": (tf.Qwen2Config, {**_LLAMA_LIKE, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
     "olmo2": (tf.Olmo2Config, {**_LLAMA_LIKE, "pad_token_id": 0}),

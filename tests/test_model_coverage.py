@@ -18,9 +18,9 @@ from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine
 from workers.engine.longrope import uses_longrope
 
-ACCEPTED = ["llama", "llama3_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
-            "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2", "gpt_neox", "opt",
-            "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
+            "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
+            "gpt_neox", "opt", "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
