@@ -91,9 +91,11 @@ def test_a_window_cuts_every_system_and_counts_the_unfinished_tokens(tmp_path, m
                               hf_extra={"page_size": 16, "num_blocks": 4 * 3016 // 16 + 8, "max_batch_tokens": 256},
                               window_s=1.0, hf_timeout_s=240.0, workload_defs={"long": long}, t0=0.0)
     path = runs.prepare_model(tmp_path, "tiny", torch.float32, "cpu")
-    for system in ("engine-on", "engine-off", "hf-default"):
-        row = bench_gpu.run_one("tiny", path, "long", system, args)
+    rows = [bench_gpu.run_one("tiny", path, "long", s, args) for s in ("engine-on", "engine-off", "hf-default")]
+    for row in rows:
         assert row["status"] == "ok" and row["cut"], row
         assert 0 < row["tokens"] < long.tokens and row["samples_finished"] == 0, row
         assert row["seconds"] >= args.window_s and row["tokens_per_s"] == row["tokens"] / row["seconds"]
         assert f"cut at the 1 s window: {row['tokens']} of {long.tokens} tokens, 0 of 4 samples" in row["note"]
+    target = bench_gpu.print_workload("tiny", "long", rows, args)
+    assert "(hf-default)" in target and target.endswith(", over a 1 s window)"), target
