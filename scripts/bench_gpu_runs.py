@@ -186,7 +186,7 @@ def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict,
     rows = generate_until(engine, prompts, sampling_params(w), start + (args.window_s or math.inf), args.progress)
     seconds = time.perf_counter() - start
     after = engine.stats()
-    graphs = engine.runner.graphs
+    graphs = getattr(engine.runner, "graphs", None)  # a branch before decode graphs has none
     return {"tokens": sum(len(r["token_ids"]) for r in rows), "seconds": seconds, "startup_s": startup,
             "samples_finished": sum(r["finish_reason"] != "abort" for r in rows),
             "cut": any(r["finish_reason"] == "abort" for r in rows),
