@@ -15,6 +15,13 @@ VOCAB = 128
 _LLAMA_LIKE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 _GPT = {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256}
+# Four layers, so that every per-layer pattern of the newer families (3 windowed : 1 global, NoPE every
+# fourth layer, dense-then-MoE) shows; a window shorter than the long prompts.
+_FOUR = {**_LLAMA_LIKE, "num_hidden_layers": 4, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1}
+_WINDOWED = {**_FOUR, "sliding_window": 12}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -59,6 +66,51 @@ ZOO: dict[str, tuple[type, dict]] = {
     "qwen3_moe": (tf.Qwen3MoeConfig, {**_LLAMA_LIKE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 16}),
     "olmoe": (tf.OlmoeConfig, {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    "olmo3": (tf.Olmo3Config, _WINDOWED),
+    "smollm3": (tf.SmolLM3Config, _FOUR),
+    "glm": (tf.GlmConfig, _FOUR),
+    "glm4": (tf.Glm4Config, _FOUR),
+    "cohere2": (tf.Cohere2Config, _WINDOWED),
+    "exaone4": (tf.Exaone4Config, _WINDOWED),
+    "ernie4_5": (tf.Ernie4_5Config, {**_FOUR, "use_bias": True}),
+    "seed_oss": (tf.SeedOssConfig, {**_FOUR, "attention_bias": True, "attention_out_bias": True}),
+    "apertus": (tf.ApertusConfig, {**_FOUR, "rope_parameters": _LLAMA3_ROPE}),
+    "arcee": (tf.ArceeConfig, _FOUR),
+    "ministral": (tf.MinistralConfig, _WINDOWED),
+    "ministral3": (tf.Ministral3Config, {**_FOUR, "rope_parameters": {  # YaRN and Llama 4's query scaling
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "llama_4_scaling_beta": 0.5, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "helium": (tf.HeliumConfig, _FOUR),
+    "vaultgemma": (tf.VaultGemmaConfig, {**_WINDOWED, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 2.0,
+                                         "final_logit_softcapping": 5.0}),
+    "nemotron": (tf.NemotronConfig, _FOUR),
+    "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, _FOUR),
+    "gpt_bigcode": (tf.GPTBigCodeConfig, _GPT),
+    "nanochat": (tf.NanoChatConfig, {**_FOUR, "final_logit_softcapping": 5.0}),
+    "cwm": (tf.CwmConfig, {**_WINDOWED, "rope_parameters": _LLAMA3_ROPE}),
+    "jais2": (tf.Jais2Config, _FOUR),
+    "granitemoe": (tf.GraniteMoeConfig, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                         "attention_multiplier": 0.3, "residual_multiplier": 0.7,
+                                         "embedding_multiplier": 2.0, "logits_scaling": 1.5}),
+    "granitemoeshared": (tf.GraniteMoeSharedConfig, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                     "shared_intermediate_size": 16}),
+    "phimoe": (tf.PhimoeConfig, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, {**_FOUR, "num_experts": 4, "moe_topk": 2}),
+    "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, {**_FOUR, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1,
+                                             "moe_intermediate_size": 16, "moe_layer_start_index": 1}),
+    "glm4_moe": (tf.Glm4MoeConfig, {**_FOUR, **_MOE, "n_routed_experts": 4, "n_shared_experts": 1,
+                                    "first_k_dense_replace": 1, "use_qk_norm": True}),
+    "flex_olmo": (tf.FlexOlmoConfig, {**_FOUR, "num_experts": 4, "num_experts_per_tok": 2}),
+    "cohere2_moe": (tf.Cohere2MoeConfig, {**_WINDOWED, "num_experts": 4, "num_experts_per_tok": 2,
+                                          "num_shared_experts": 1}),
+    "exaone_moe": (tf.ExaoneMoeConfig, {**_WINDOWED, **_MOE, "num_experts": 4, "num_shared_experts": 1}),
+    "afmoe": (tf.AfmoeConfig, {**_WINDOWED, **_MOE, "num_experts": 4, "num_shared_experts": 1,
+                               "num_dense_layers": 1, "global_attn_every_n_layers": 2}),
+    "solar_open": (tf.SolarOpenConfig, {**_FOUR, **_MOE, "n_routed_experts": 4, "n_shared_experts": 1}),
+    "dots1": (tf.Dots1Config, {**_FOUR, **_MOE, "n_routed_experts": 4, "n_shared_experts": 1,
+                               "first_k_dense_replace": 1}),
+    "mellum": (tf.MellumConfig, {**_WINDOWED, **_MOE, "num_local_experts": 4, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
@@ -96,6 +148,8 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "lru_width": 32, "attention_window_size": 16}),
     "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
+    "doge": (tf.DogeConfig, _FOUR),
+    "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
     "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
                                           "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
                                           "n_routed_experts": 2, "num_experts_per_tok": 1,
@@ -109,7 +163,8 @@ ZOO: dict[str, tuple[type, dict]] = {
 
 
 def build_zoo_model(name: str, path: str | Path, seed: int = 0) -> str:
-    """Save a random-weight float32 model of zoo entry `name` into `path`; returns the path."""
+    """Save a random-weight float32 model of zoo entry `name` into `path`; returns the path. Vectors are
+    perturbed too, so that no zero-initialised bias or gate hides what it feeds."""
     config_class, kwargs = ZOO[name]
     config = config_class(**kwargs, tie_word_embeddings=False)
     config.eos_token_id = None
@@ -119,6 +174,8 @@ def build_zoo_model(name: str, path: str | Path, seed: int = 0) -> str:
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0, 0.2)
+            else:
+                param.add_(torch.randn_like(param), alpha=0.1)
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     return str(path)

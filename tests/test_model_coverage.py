@@ -15,12 +15,16 @@ import transformers
 from rollout import SamplingParams
 from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
-from workers.engine import Engine
+from workers.engine import Engine, model_support
 from workers.engine.longrope import uses_longrope
 
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
             "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
-            "gpt_neox", "opt", "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+            "gpt_neox", "opt", "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+            "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee",
+            "ministral", "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode",
+            "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
+            "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -28,7 +32,8 @@ REFUSED = {
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
-    "deepseek_v2": "latent attention", "deepseek_v3": "latent attention",
+    "deepseek_v2": "latent attention", "deepseek_v3": "latent attention", "doge": "dynamic mask attention",
+    "granite_swa": "attention sinks",
 }
 # Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that
 # start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
@@ -140,10 +145,19 @@ def test_unverified_architecture_is_refused(tmp_path):
     """A model type nobody verified is refused, even when its attention would go through ours."""
     path = build_zoo_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(model_type="helium", architectures=["HeliumForCausalLM"])
+    config.update(model_type="bitnet", architectures=["BitNetForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"model type 'helium'.*not verified"):
+    with pytest.raises(ValueError, match=r"model type 'bitnet'.*not verified"):
         make_engine(path)
+
+
+def test_attention_bias_computed_by_the_model_is_refused_even_for_a_listed_type(zoo_dir, monkeypatch):
+    """Paged attention ignores `attention_mask`: a model that builds its own mask or bias (Doge's dynamic
+    mask) is refused by the probe forward, even if its type were listed as supported."""
+    monkeypatch.setattr(model_support, "SUPPORTED_MODEL_TYPES", model_support.SUPPORTED_MODEL_TYPES | {"doge"})
+    monkeypatch.delitem(model_support._REFUSED_MODEL_TYPES, "doge")
+    with pytest.raises(ValueError, match=r"model type 'doge'.*attention mask or bias computed by the model"):
+        make_engine(zoo_dir("doge"))
 
 
 # ---- one test per bug of issue #12 (hybrid layers and chunked attention: the refusals above) -----------

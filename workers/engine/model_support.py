@@ -20,7 +20,11 @@ from workers.engine.longrope import install_per_sequence_longrope
 SUPPORTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm", "cohere",
     "granite", "starcoder2", "gpt2", "gpt_neox", "opt", "persimmon",
-    "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"})
+    "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee", "ministral",
+    "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode", "nanochat", "cwm", "jais2",
+    "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
+    "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -33,7 +37,9 @@ _REFUSED_MODEL_TYPES = {
     "jamba": "state-space (Mamba) layers", "bamba": "state-space (Mamba) layers",
     "granitemoehybrid": "state-space (Mamba) layers",
     "falcon_h1": "state-space (Mamba) mixers beside attention", "recurrent_gemma": "recurrent (RG-LRU) layers",
-    "gpt_oss": "attention sinks (s_aux)",
+    "gpt_oss": "attention sinks (s_aux)", "granite_swa": "attention sinks (s_aux)",
+    "granitemoe_swa": "attention sinks (s_aux)",
+    "doge": "dynamic mask attention (a bias computed from the values)",
     "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)",
 }
 

@@ -35,6 +35,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          if v is not None and v is not False and k not in _IGNORED_KWARGS)
     if unsupported:
         raise NotImplementedError(f"paged attention does not support the arguments {unsupported}")
+    if attention_mask is not None:
+        raise NotImplementedError("an attention mask or bias computed by the model itself (paged attention "
+                                  "applies only causal masks and sliding windows)")
     if _backend is None:
         raise RuntimeError("paged attention called outside an engine step: a model loaded with "
                            f"attn_implementation={ATTN_IMPLEMENTATION!r} only runs inside ModelRunner.forward")
