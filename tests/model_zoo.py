@@ -28,6 +28,7 @@ _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
 ZOO: dict[str, tuple[type, dict]] = {
     # families the engine serves exactly
     "llama": (tf.LlamaConfig, _LLAMA_LIKE),
+    "llama_stray_window": (tf.LlamaConfig, {**_LLAMA_LIKE, "sliding_window": 12}),  # a key its attention ignores
     "qwen2": (tf.Qwen2Config, _LLAMA_LIKE),
     "qwen3": (tf.Qwen3Config, {**_LLAMA_LIKE, "head_dim": 8}),
     "mistral": (tf.MistralConfig, {**_LLAMA_LIKE, "sliding_window": 12}),

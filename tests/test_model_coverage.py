@@ -59,14 +59,15 @@ def prompts_of(lengths: list[int]) -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def greedy_references(model, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_references(model, prompts: list[list[int]], use_cache: bool = True) -> list[list[int]]:
     """`generate`'s greedy continuation of each prompt, alone (an explicit mask: a prompt may hold the
     pad id, which `generate` would otherwise mask out). A LongRoPE model generates without a cache:
     where its cached generate recomputes at the switch to the long factors, transformers 5.17 (the
     GPU image's) feeds the last token alone and drops the context."""
     longrope = uses_longrope(model.config)
     outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                           max_new_tokens=MAX_NEW, do_sample=False, use_cache=not longrope) for p in prompts]
+                           max_new_tokens=MAX_NEW, do_sample=False, use_cache=use_cache and not longrope)
+            for p in prompts]
     return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]
 
 
@@ -187,6 +188,19 @@ def test_longrope_prefix_cache_keeps_short_and_long_factors_apart(zoo_dir):
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
     assert run(engine, [short], params)[(0, 0)]["token_ids"] == expected[0]
     assert run(engine, [long], params)[(0, 0)]["token_ids"] == expected[1]
+
+
+def test_a_window_the_attention_never_applies_follows_the_forward_pass(zoo_dir):
+    """A Llama config with a stray `sliding_window`: transformers' cached `generate` drops keys older than
+    the window from its cache, while the model's own forward attends to all of them. The engine follows
+    the forward, which is what a trainer computes its logprobs with."""
+    prompts = prompts_of(PROMPT_LENGTHS)
+    model = hf_model(zoo_dir("llama_stray_window"))
+    forward = greedy_references(model, prompts, use_cache=False)
+    assert greedy_references(model, prompts) != forward, "the stray window changes nothing here"
+    rows = run(make_engine(zoo_dir("llama_stray_window"), block_size=8), prompts,
+               SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    assert [rows[(i, 0)]["token_ids"] for i in range(len(prompts))] == forward
 
 
 def test_paged_attention_outside_a_step_is_refused_and_leaves_the_cache_alone(zoo_dir):
