@@ -93,6 +93,12 @@ def test_bad_prompts_are_refused_by_the_engine(engine, data, kind):
      "sample index out of range"),
     (lambda e: e.add_request([5, 6], SamplingParams(n=2), sample_indices=[]), "sample_indices=[]",
      "no sample indices"),
+    (lambda e: e.add_request([5, 6], SamplingParams(n=2), sample_indices=[1.0]), "sample_indices=[1.0]",
+     "a float sample index"),
+    (lambda e: e.add_request([5, 6], SamplingParams(n=2), sample_indices=[True]), "sample_indices=[True]",
+     "a bool sample index"),
+    (lambda e: e.add_request([5, 6], SamplingParams(n=2), sample_indices=1), "sample_indices=1",
+     "sample indices not a list"),
     (lambda e: e.generate([[5, 6]], SamplingParams(n=300)), "300 samples of one prompt exceed max_num_seqs=256",
      "more samples than max_num_seqs"),
 ])

@@ -143,10 +143,10 @@ def test_soak(model_dir):
     try:
         assert not tally.errors, tally.errors
         check_rows(tally, updated_at)
+        wait_for(lambda: sorted(client.stats()) == [0, 1], 120, "both killed workers to be replaced")
         wait_for(lambda: all(s["running"] + s["waiting"] + s["offloaded"] == 0 for s in client.stats().values()),
                  60, "aborted samples to leave the workers")
         stats = client.stats()
-        assert sorted(stats) == [0, 1]
         for worker in stats:
             ray.get(ray.get_actor(f"rollout-worker-{worker}", namespace="rollout").__ray_call__.remote(check_integrity))
         for s in stats.values():

@@ -19,7 +19,7 @@ from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
-from workers.engine.request_checks import check_fits, check_params, check_prompt
+from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
 from workers.engine.weights import check_weights, copy_weights, load_source
@@ -70,9 +70,7 @@ class Engine:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
         check_params(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
-        indices = list(range(params.n)) if sample_indices is None else sorted(set(sample_indices))
-        if not indices or not all(0 <= i < params.n for i in indices):
-            raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({params.n})")
+        indices = check_sample_indices(sample_indices, params.n)
         check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:

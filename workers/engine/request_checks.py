@@ -29,6 +29,17 @@ def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int
     return ids
 
 
+def check_sample_indices(sample_indices: object, n: int) -> list[int]:
+    """The wanted sample indices, sorted: all of `range(n)` when None, else a non-empty set of integers in it."""
+    if sample_indices is None:
+        return list(range(n))
+    indices = list(sample_indices) if isinstance(sample_indices, (list, tuple, set, range)) else []
+    if not indices or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < n
+                              for i in indices):
+        raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({n})")
+    return sorted({int(i) for i in indices})
+
+
 def check_params(params: object) -> None:
     """Refuse sampling parameters that are not a `SamplingParams` (which validates itself when built)."""
     if not isinstance(params, SamplingParams):
