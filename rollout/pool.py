@@ -15,6 +15,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.config import ServiceConfig
+from rollout.params import SamplingParams
 from rollout.stall_watch import StallWatch
 from workers.actor import RolloutWorker
 
@@ -167,9 +168,10 @@ class WorkerPool:
             except RayActorError as err:
                 self.lose(worker, handle, err)
 
-    async def tokenize(self, prompts: list) -> list[list[int]]:
-        """Token ids of `prompts`, validated by the least-loaded live worker's engine."""
-        return await self.call_any("tokenize", prompts)
+    async def tokenize(self, prompts: list, params: SamplingParams) -> list[list[int]]:
+        """Token ids of `prompts`, validated (their samples fitting its cache too) by the least-loaded live
+        worker's engine, so that a bad prompt is refused before any worker has work."""
+        return await self.call_any("tokenize", prompts, params)
 
     async def call_all(self, method: str, *args: Any) -> dict[int, Any]:
         """`method(*args)` on every live worker at once; results by worker id. Workers lost meanwhile are

@@ -28,7 +28,7 @@ ENTRIES = ["rollout.sample", "RolloutClient", "update_weights"]
 @pytest.fixture(scope="module")
 def service(model_dir):
     model = model_dir("qwen3")
-    rollout.init(model=model, num_workers=1, max_num_seqs=MAX_SEQS, num_blocks=BLOCKS, object_store_memory_gib=0.3)
+    rollout.init(model=model, num_workers=2, max_num_seqs=MAX_SEQS, num_blocks=BLOCKS, object_store_memory_gib=0.3)
     yield RolloutClient.connect(name="rollout", namespace="rollout"), model
     rollout.shutdown()
 
@@ -110,9 +110,10 @@ def test_bad_sampling_arguments_are_refused_naming_the_field(service, data, kind
 
 
 @pytest.mark.parametrize("sampling, prompt, names, kind", [
-    (dict(n=MAX_SEQS + 1), [5, 6], f"{MAX_SEQS + 1} samples of one prompt exceed max_num_seqs={MAX_SEQS}",
+    (dict(n=MAX_SEQS + 1), [5, 6], f"prompt 0: {MAX_SEQS + 1} samples of one prompt exceed max_num_seqs={MAX_SEQS}",
      "more samples than max_num_seqs"),
-    (dict(n=1, max_new_tokens=100), [5] * 600, f"the cache has {BLOCKS} (num_blocks={BLOCKS})",
+    (dict(n=1, max_new_tokens=100), [5] * 600,
+     re.compile(rf"prompt 1 \(600 tokens\).* the cache has {BLOCKS} \(num_blocks={BLOCKS}\)"),
      "request beyond the KV cache"),
 ])
 def test_requests_the_engine_could_never_hold_are_refused(service, sampling, prompt, names, kind):

@@ -140,7 +140,7 @@ def test_prompts_as_arrays_and_all_checked_before_any_is_queued(qwen3):
     engine = make_engine(qwen3, num_blocks=4)
     arrays = [np.array([5, 6, 7]), torch.tensor([5, 6, 7]), (5, 6, 7)]
     assert engine.tokenize(arrays) == [[5, 6, 7]] * 3
-    with pytest.raises(ValueError, match="a prompt of 70 tokens .* needs 6 blocks"):
+    with pytest.raises(ValueError, match=r"prompt 1 \(70 tokens\) .* needs 6 blocks"):
         engine.generate([[1, 2, 3], list(range(5, 75))], GREEDY)
     assert not engine.has_unfinished(), "the first prompt was not queued"
 

@@ -48,9 +48,11 @@ class RolloutWorker:
             if not complete:
                 self.loop.close(call_id)
 
-    async def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-        """Validated token ids of `prompts` (strings go through the model's tokenizer)."""
-        return await asyncio.wrap_future(self.loop.submit(self.loop.engine.tokenize, prompts))
+    async def tokenize(self, prompts: list[str] | list[list[int]],
+                       params: SamplingParams | None = None) -> list[list[int]]:
+        """Validated token ids of `prompts` (strings go through the model's tokenizer); with `params`, each
+        prompt's samples must fit the engine's cache too."""
+        return await asyncio.wrap_future(self.loop.submit(self.loop.engine.tokenize, prompts, params))
 
     async def stats(self) -> dict[str, int]:
         """The engine's counters and weights version; the first call also tells that the engine has loaded."""

@@ -51,8 +51,9 @@ class Engine:
         self.ready: list[dict] = []  # rows of samples collected outside `step`, handed out by the next one
 
     # ---- requests -------------------------------------------------------------------------
-    def tokenize(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
-        """Token ids of each prompt, validated; strings need the model's tokenizer."""
+    def tokenize(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+        """Token ids of each prompt, validated; strings need the model's tokenizer. With `params`, each
+        prompt's `params.n` samples must also fit this engine's cache."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list, got {prompts!r:.80}")
         out = []
@@ -62,6 +63,10 @@ class Engine:
                     raise ValueError(f"prompt {i} is a string but model {self.config.model!r} has no tokenizer")
                 prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
+        if params is not None:
+            check_params(params)
+            for i, ids in enumerate(out):
+                check_fits(self.config, self.pool.num_blocks, self.max_model_len, i, len(ids), params, params.n)
         return out
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -71,7 +76,8 @@ class Engine:
         check_params(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
-        check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, len(indices))
+        check_fits(self.config, self.pool.num_blocks, self.max_model_len, prompt_index, len(ids), params,
+                   len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in flight")
@@ -250,10 +256,7 @@ class Engine:
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
                  use_tqdm: bool = False) -> pa.Table:
         """Every sample of every prompt, rows ordered by prompt then sample."""
-        check_params(params)
-        token_lists = self.tokenize(prompts)
-        for ids in token_lists:
-            check_fits(self.config, self.pool.num_blocks, self.max_model_len, len(ids), params, params.n)
+        token_lists = self.tokenize(prompts, params)
         for i, ids in enumerate(token_lists):
             self.add_request(ids, params, prompt_index=i)
         rows = []

@@ -46,17 +46,18 @@ def check_params(params: object) -> None:
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
 
 
-def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, prompt_len: int,
+def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, index: int, prompt_len: int,
                params: SamplingParams, num_samples: int) -> None:
-    """Refuse `num_samples` samples of a prompt that a cache of `num_blocks` blocks or `max_num_seqs`
+    """Refuse `num_samples` samples of prompt `index` that a cache of `num_blocks` blocks or `max_num_seqs`
     could never hold."""
     if num_samples > config.max_num_seqs:
-        raise ValueError(f"{num_samples} samples of one prompt exceed max_num_seqs={config.max_num_seqs}")
+        raise ValueError(f"prompt {index}: {num_samples} samples of one prompt exceed "
+                         f"max_num_seqs={config.max_num_seqs}")
     bs = config.block_size
     longest = min(prompt_len + params.max_new_tokens, max_model_len) - 1
     need = max(cdiv(longest, bs), cdiv(prompt_len, bs) + fork_spare_blocks(prompt_len, num_samples, bs))
     if need > num_blocks:
         raise ValueError(
-            f"a prompt of {prompt_len} tokens with max_new_tokens={params.max_new_tokens} and "
+            f"prompt {index} ({prompt_len} tokens) with max_new_tokens={params.max_new_tokens} and "
             f"{num_samples} samples needs {need} blocks of {bs} tokens; the cache has {num_blocks} "
             f"(num_blocks={config.num_blocks})")
