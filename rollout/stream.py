@@ -22,9 +22,10 @@ def open_stream(service: ActorHandle, prompts: list[str] | list[list[int]], para
                 progress: bool) -> "RolloutStream":
     """Start a `sample` call on `service`; prompts the service rejects raise ValueError here. The call names
     this process, so that the service aborts it if this process dies."""
-    context = ray.get_runtime_context()
-    caller = Caller(context.get_job_id(), context.get_worker_id())
-    return RolloutStream(service, service.sample.remote(prompts, params, caller), progress)
+    with service_calls(service):
+        context = ray.get_runtime_context()
+        generator = service.sample.remote(prompts, params, Caller(context.get_job_id(), context.get_worker_id()))
+    return RolloutStream(service, generator, progress)
 
 
 def sampling_params(n: int, sampling: dict[str, Any]) -> SamplingParams:
@@ -74,7 +75,8 @@ class RolloutStream:
         """Abort the samples not yet received (a no-op once the stream has ended)."""
         if self._open:
             self._open = False
-            ray.cancel(self._generator)
+            if ray.is_initialized():  # else the service is gone, and ray.cancel would start a new Ray
+                ray.cancel(self._generator)
         if hasattr(self, "_bar"):
             self._bar.close()
 

@@ -18,7 +18,9 @@ import ray
 import rollout
 from rollout.config import load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
+from rollout.service_lost import ServiceUnavailable
 from tests.conftest import make_engine
+from trainer_client import RolloutClient
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 GCS_CLIENT = textwrap.dedent("""
@@ -45,6 +47,22 @@ def test_the_local_ray_has_a_token_of_its_own_and_restores_the_callers(model_dir
         assert ray.cluster_resources()["CPU"] >= 1  # this process's driver authenticated with it
     finally:
         stop_local_ray()
+
+
+def test_a_stream_or_client_used_after_shutdown_starts_no_ray(model_dir):
+    """Runs before the module's service starts: after `rollout.shutdown()`, an open stream and a client
+    raise ServiceUnavailable instead of letting Ray start a new local cluster (with a dashboard and a
+    world-readable token file) behind the caller's back."""
+    rollout.init(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.3)
+    try:
+        client = RolloutClient.connect(name="rollout", namespace="rollout")
+        stream = rollout.sample([[5, 6, 7]], n=2, max_new_tokens=50, ignore_eos=True)
+    finally:
+        rollout.shutdown()
+    for call in (lambda: list(stream), client.stats, lambda: client.sample([[5, 6]], n=1)):
+        with pytest.raises(ServiceUnavailable, match="no longer connected to Ray"):
+            call()
+        assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")
