@@ -71,7 +71,7 @@ class WorkerPool:
                 f"could not place {self.size} workers of {bundle} within "
                 f"{self.config.placement_timeout_s} s (strategy {self.config.placement_strategy}); "
                 f"the cluster has {have}") from None
-        await asyncio.gather(*(w.stats.remote() for w in self.workers.values()))
+        await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         for worker, handle in self.workers.items():
             self._watch(worker, handle)
         self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
@@ -131,7 +131,7 @@ class WorkerPool:
         has handed it the latest weights. A replacement that fails is given up (the slot stays empty)."""
         try:
             handle = self.starting[worker] = await self._respawn(worker)
-            await handle.stats.remote()  # its engine has loaded
+            await handle.ready.remote()  # its engine has loaded
             await self.prepare(handle, lambda: self._admit(worker))
             log.warning("worker %d replaced", worker)
         except Exception as err:

@@ -108,8 +108,11 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
     except BaseException as err:
         stop(service)
         stop_keeper(config)
-        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, Exception):
-            raise err.cause from None  # raised in the service: its cause says what went wrong
+        cause = err
+        while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
+            cause = cause.cause  # raised in the service, or in a worker under it: the cause says what went wrong
+        if cause is not err:
+            raise cause from None
         raise
     return service
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import pytest
+import ray
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,11 +19,22 @@ import rollout
 from rollout.params import LOGPROBS_MODES, SamplingParams
 from tests.bad_inputs import BAD_PROMPTS, ids, refused, report
 from tests.conftest import make_engine
+from tests.model_zoo import build_zoo_model
 from trainer_client import RolloutClient
 
 MAX_SEQS, BLOCKS = 8, 32  # the service below
 CHECKS = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))  # per kind
 ENTRIES = ["rollout.sample", "RolloutClient", "update_weights"]
+
+
+def test_a_model_the_engine_refuses_fails_init_with_the_engines_error(tmp_path):
+    """Runs before the module's service starts: `rollout.init` raises the engine's own ValueError, naming
+    the model type and the feature (not Ray's ActorDiedError with it deep in a traceback), and leaves no
+    Ray behind."""
+    path = build_zoo_model("llama_dynamic_rope", tmp_path)
+    with pytest.raises(ValueError, match=r"^model type 'llama' is not supported .* rope type 'dynamic'"):
+        rollout.init(model=path, num_workers=1, object_store_memory_gib=0.3)
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,20 @@ class RolloutWorker:
         from workers.engine import Engine
         from workers.weight_receiver import WeightReceiver
 
-        self.loop = EngineLoop(lambda: Engine(config.engine, worker_id=worker_id), config.flush_rows,
-                               config.flush_delay_s)
+        self.error: Exception | None = None
+        try:
+            self.loop = EngineLoop(lambda: Engine(config.engine, worker_id=worker_id), config.flush_rows,
+                                   config.flush_delay_s)
+        except Exception as err:  # kept for `ready`: raised here, it would reach the pool only as Ray's text
+            self.error = err
+            return
         self.weights = WeightReceiver(self.loop)
+
+    async def ready(self) -> None:
+        """Return once the engine has loaded, or raise the error that stopped it (a refused model's
+        ValueError, say); the pool calls this before anything else and drops a worker that fails it."""
+        if self.error is not None:
+            raise self.error
 
     async def generate(self, call_id: str, groups: list[PromptGroup],
                        params: SamplingParams) -> AsyncIterator[pa.RecordBatch | None]:
