@@ -134,8 +134,10 @@ def _demo(args: argparse.Namespace) -> int:
     random; the demo shows the machinery, not a model."""
     import rollout
     from rollout.demo import DEMO_PROMPTS, demo_model
+    from rollout.stream import sampling_params
 
     check_out(args.out)
+    sampling_params(args.n, _sampling(args))  # bad flags fail before the model is built or Ray starts
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
     rollout.init(LOCAL_CONFIG, model=str(demo_model()), num_workers=2)
     try:

@@ -80,3 +80,10 @@ def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0 and "usage: rollout " + command in capsys.readouterr().out
+
+
+def test_demo_checks_its_flags_before_building_or_starting_anything(monkeypatch, capsys):
+    monkeypatch.setattr("rollout.demo.demo_model", lambda: pytest.fail("the demo built its model before its flags"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--n", "0"])
+    assert exit_info.value.code == 2 and "n=0" in capsys.readouterr().err
