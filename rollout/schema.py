@@ -6,6 +6,7 @@ import pyarrow as pa
 
 FINISH_REASONS = ("stop", "length", "abort")
 
+# Columns in the order of DESIGN.md's table.
 SAMPLE_SCHEMA = pa.schema([
     pa.field("request_id", pa.string(), nullable=False),
     pa.field("prompt_index", pa.int64(), nullable=False),
@@ -15,10 +16,10 @@ SAMPLE_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
     pa.field("finish_reason", pa.dictionary(pa.int8(), pa.string()), nullable=False),
     pa.field("policy_version", pa.int64(), nullable=False),
-    pa.field("first_policy_version", pa.int64(), nullable=False),
-    pa.field("token_policy_versions", pa.list_(pa.int64()), nullable=True),
     pa.field("num_preemptions", pa.int32(), nullable=False),
     pa.field("worker_id", pa.int32(), nullable=False),
+    pa.field("first_policy_version", pa.int64(), nullable=False),
+    pa.field("token_policy_versions", pa.list_(pa.int64()), nullable=True),
     pa.field("text", pa.string(), nullable=True),
 ])
 

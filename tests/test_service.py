@@ -3,7 +3,9 @@ streaming, isolation of concurrent calls, cancellation, and errors raised at the
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -13,6 +15,27 @@ from rollout import SamplingParams
 from rollout.schema import SAMPLE_SCHEMA
 from tests.conftest import make_engine, random_prompts
 from trainer_client import RolloutClient
+
+DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+
+
+def design_type(text: str) -> pa.DataType:
+    """The Arrow type that DESIGN.md's table writes as `text` (`list<int32>`, `dictionary<int8, string>`)."""
+    inner = text[text.find("<") + 1:-1]
+    if text.startswith("list<"):
+        return pa.list_(design_type(inner))
+    if text.startswith("dictionary<"):
+        return pa.dictionary(*(design_type(part) for part in inner.split(", ")))
+    return getattr(pa, text)()
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="needs ../shared/DESIGN.md beside the checkout")
+def test_the_schema_is_design_mds_table_column_for_column():
+    table = DESIGN.read_text().split("## A sample", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+?)(, nullable)? \|", table, re.M)
+    assert len(rows) == 13
+    assert [(f.name, f.type, f.nullable) for f in SAMPLE_SCHEMA] == [
+        (name, design_type(kind), bool(nullable)) for name, kind, nullable in rows]
 
 
 @pytest.fixture(scope="module")
