@@ -127,6 +127,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> ServiceConfig:
     """A ServiceConfig from a TOML path or a struct plus field overrides; EngineConfig fields may be
     given at top level (`model=...`) or as an `engine` dict. A leading `~` in the model path is expanded."""
+    if not isinstance(source, (ServiceConfig, str, os.PathLike)):
+        raise ValueError(f"config={source!r:.60} must be a path to a TOML file or a ServiceConfig, "
+                         f"not {type(source).__name__}")
     data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source, dict)
     engine = {**data.get("engine", {}), **msgspec.to_builtins(overrides.pop("engine", {}))}
     engine.update({k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__struct_fields__})

@@ -36,6 +36,8 @@ def test_bad_overrides(model, overrides, message):
 def test_bad_files(tmp_path, model):
     with pytest.raises(ValueError, match="does not exist"):
         rollout.init(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="config=42 must be a path to a TOML file or a ServiceConfig, not int"):
+        rollout.init(42)
     bad = tmp_path / "bad.toml"
     bad.write_text('num_workers = 2\n[engine]\nmodel = 3\n')
     with pytest.raises(ValueError, match=r"Expected `str`, got `int` - at `\$.engine.model`"):
