@@ -152,6 +152,14 @@ def test_unverified_architecture_is_refused(tmp_path):
         make_engine(path)
 
 
+@pytest.mark.parametrize("config_class", [transformers.Gemma3Config, transformers.LlavaConfig])
+def test_multimodal_model_is_refused_before_its_weights_load(tmp_path, config_class):
+    """A vision-language checkpoint (Gemma 3 4B and up, LLaVA) is refused from its config alone."""
+    config_class().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"model type '{config_class.model_type}'.*multimodal"):
+        make_engine(str(tmp_path))
+
+
 def test_attention_bias_computed_by_the_model_is_refused_even_for_a_listed_type(zoo_dir, monkeypatch):
     """Paged attention ignores `attention_mask`: a model that builds its own mask or bias (Doge's dynamic
     mask) is refused by the probe forward, even if its type were listed as supported."""

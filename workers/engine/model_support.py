@@ -62,6 +62,9 @@ def check_config(config: transformers.PretrainedConfig) -> None:
     """Raise `ValueError` unless `config` is a model type and feature set the engine serves exactly."""
     model_type = config.model_type
     features = _flagged_features(config)
+    if config.get_text_config(decoder=True) is not config:
+        features.insert(0, "a multimodal or encoder-decoder model (its decoder's config is nested, as "
+                           "text_config); the engine serves text-only causal LMs")
     if model_type in _REFUSED_MODEL_TYPES:
         features.append(_REFUSED_MODEL_TYPES[model_type])
     layer_types = getattr(config, "layer_types", None) or []
