@@ -34,6 +34,19 @@ def test_update_then_greedy_matches_new_model(policies, as_dir):
     assert engine.stats()["cached_prefix_tokens"] == cached_before, "KV of the old weights is not reused"
 
 
+def test_a_version_number_that_comes_back_never_matches_kv_of_other_weights(policies):
+    """A trainer that resumes or rolls back may push a version number again with other weights: the
+    prompt's blocks cached under the first push are not reused by the second."""
+    old, new = policies
+    prompt = random_prompts(1, 512, (40, 40), seed=50)[0]
+    engine = make_engine(old)
+    for version, policy in [(1, new), (2, old), (1, old), (1, new)]:
+        cached_before = engine.stats()["cached_prefix_tokens"]
+        engine.update_weights(hf_model(policy).state_dict(), version=version)
+        assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(policy, prompt), version
+        assert engine.stats()["cached_prefix_tokens"] == cached_before, f"KV reused after version {version}"
+
+
 @pytest.mark.parametrize("break_it, match", [
     (lambda sd: sd.pop("lm_head.weight"), "missing 'lm_head.weight'"),
     (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected 'extra'"),
@@ -64,6 +77,13 @@ def test_tied_embeddings_update_from_a_checkpoint(model_dir):
     state = {k: v for k, v in load_source(old).items() if k != "model.embed_tokens.weight"}
     with pytest.raises(ValueError, match="missing 'model.embed_tokens.weight'; missing 'lm_head.weight'"):
         engine.update_weights(state, version=2)
+    both = {**load_source(old), "lm_head.weight": load_source(old)["model.embed_tokens.weight"].clone()}
+    engine.update_weights(both, version=2)  # the tied pair given twice with one value: fine
+    both["lm_head.weight"] = both["lm_head.weight"] + 1  # a trainer's untied copy: one value would win
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight' are one tied tensor"):
+        engine.update_weights(both, version=3)
+    assert engine.policy_version == 2
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(old, prompt)
 
 
 def test_bad_mode_and_source(policies, tmp_path):

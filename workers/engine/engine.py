@@ -127,7 +127,7 @@ class Engine:
             self._drain(emit)
         copy_weights(pairs)
         self.policy_version = version
-        self.scheduler.set_weights_version(version)
+        self.scheduler.weights_changed()
         return rows
 
     def _drain(self, emit: Rows) -> None:

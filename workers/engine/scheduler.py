@@ -36,6 +36,7 @@ class Scheduler:
         self.offloader = Offloader(pool, tables, cpu_pool)
         self.counters = dict.fromkeys(("cached_prefix_tokens", "recomputes", *TOKEN_COUNTERS), 0)
         self.hash_root = 0
+        self.weights_updates = 0
         self.admit_new = True
         # LongRoPE: a sequence longer than this uses the long RoPE factors, its blocks hash under a
         # root of `long_rope_roots`, and a shorter one that grows past it is recomputed
@@ -55,9 +56,11 @@ class Scheduler:
         """True while any sequence waits, runs or is offloaded."""
         return bool(self.waiting or self.running or self.offloader.offloaded)
 
-    def set_weights_version(self, version: int) -> None:
-        """Root later prompts' prefix hashes in `version`: KV of older weights is never matched."""
-        self.hash_root = hash_block(0, [version])
+    def weights_changed(self) -> None:
+        """Root later prompts' prefix hashes afresh, so that KV computed under earlier weights is never
+        matched, even when a weights version number comes back (a trainer resuming or rolling back)."""
+        self.weights_updates += 1
+        self.hash_root = hash_block(0, [self.weights_updates])
 
     @contextlib.contextmanager
     def started_only(self) -> Iterator[None]:
@@ -144,7 +147,7 @@ class Scheduler:
             self._reset(seq)
 
     def _hash_root(self, seq: Sequence) -> int:
-        """Root of the block hash chain: the weights version, and the RoPE factors `seq` uses."""
+        """Root of the block hash chain: the weights update, and the RoPE factors `seq` uses."""
         if self.rope_switch_length is None or len(seq.token_ids) <= self.rope_switch_length:
             return self.hash_root
         root = hash_block(self.hash_root, [-1])

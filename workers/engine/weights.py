@@ -42,10 +42,29 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> 
             problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
         elif src.dtype != dst.dtype:
             problems.append(f"{name!r} has dtype {src.dtype}, the model's is {dst.dtype}")
+    problems += [] if problems else _tied_conflicts(targets, state)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ValueError(f"weights refused, nothing was changed: {shown}")
     return [(dst, torch.as_tensor(state[name])) for name, dst in targets.items() if name in state]
+
+
+def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names given different values for one tied tensor (a trainer's untied copy of a tied model): one
+    value would silently win over the other."""
+    first: dict[tuple, str] = {}
+    problems = []
+    for name, dst in targets.items():
+        if name not in state:
+            continue
+        other = first.setdefault(_storage(dst), name)
+        a, b = torch.as_tensor(state[other]), torch.as_tensor(state[name])
+        if other == name or a.is_meta or b.is_meta:  # names, shapes and dtypes only: values come later
+            continue
+        if not torch.equal(a, b.to(a.device)):
+            problems.append(f"{other!r} and {name!r} are one tied tensor in this model, but the update gives "
+                            "them different values")
+    return problems
 
 
 def _storage(tensor: torch.Tensor) -> tuple:
