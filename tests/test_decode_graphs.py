@@ -56,17 +56,24 @@ def test_cuda_graphs_field(model_dir):
     assert from_toml.cuda_graphs == (False, True)
 
 
-def test_moe_decode_graphs_only_in_bfloat16_on_cuda(tmp_path):
-    """transformers' MoE experts (torch._grouped_mm) capture only in bfloat16 (seen on an H100, torch 2.11):
-    in another dtype decode graphs on CUDA are refused when asked for and off by default; on the CPU,
-    where nothing is captured, they stay on."""
+def test_moe_decode_graphs_only_in_bfloat16_on_cuda(tmp_path, monkeypatch):
+    """transformers' MoE experts (torch._grouped_mm) capture only in bfloat16 (seen on an H100, torch 2.11)
+    and from compute capability 8.0 (below it transformers loops over the experts, syncing with the host):
+    otherwise decode graphs on CUDA are refused when asked for and off by default; on the CPU, where
+    nothing is captured, they stay on."""
     moe = hf_model(build_zoo_model("mixtral", tmp_path))
     on_cuda = EngineConfig(model="m", device="cuda")
     assert graphs.resolve(on_cuda, moe) == (False, False)
     with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): the MoE experts .*_grouped_mm.*float32"):
         graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, True)), moe)
     assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True)), moe) == (False, True)
-    assert graphs.resolve(on_cuda, moe.to(torch.bfloat16)) == (False, True)
+    moe = moe.to(torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert graphs.resolve(on_cuda, moe) == (False, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert graphs.resolve(on_cuda, moe) == (False, False)
+    with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): .*grouped_mm, which needs compute capab"):
+        graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, True)), moe)
 
 
 def replay_check(runner, inputs) -> tuple[tuple[int, int], int, bool]:

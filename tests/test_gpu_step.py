@@ -15,6 +15,8 @@ from rollout.config import EngineConfig
 from tests.conftest import ON_GPU, make_engine, random_prompts, run
 from tests.test_decode_graphs import ENGINE, PARAMS, PROMPTS, checking_replays
 from workers.engine import Engine
+from workers.engine.memory import PAGE
+from workers.engine.sequence import cdiv
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
@@ -100,3 +102,4 @@ def test_cpu_pool_is_pinned_to_its_size(model_dir):
     pool = engine.cpu_pool
     assert pool.blocks.is_pinned()
     assert pool.nbytes == pool.num_blocks * pool.bytes_per_block <= 0.01 * 2**30
+    assert pool.blocks.untyped_storage().nbytes() == cdiv(pool.nbytes, PAGE) * PAGE, "locked in whole pages only"

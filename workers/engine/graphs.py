@@ -53,12 +53,17 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
 
 def capture_blocker(config: EngineConfig, model: torch.nn.Module) -> str | None:
     """Why `model`'s decode step cannot be captured on CUDA, or None. transformers' MoE experts run
-    torch._grouped_mm, which only in bfloat16 stays on the device (in other dtypes it copies between
-    host and device, which a capture refuses)."""
+    torch._grouped_mm, which only in bfloat16 and from compute capability 8.0 stays on the device (otherwise
+    it copies between host and device, which a capture refuses)."""
     experts = getattr(model.config, "_experts_implementation", None)
-    if config.device.startswith("cuda") and experts == "grouped_mm" and model.dtype != torch.bfloat16:
+    if not (config.device.startswith("cuda") and experts == "grouped_mm"):
+        return None
+    if model.dtype != torch.bfloat16:
         return (f"the MoE experts of this model run torch._grouped_mm, which in {model.dtype} copies to the "
                 "host and cannot be captured in a CUDA graph (only bfloat16 can)")
+    if torch.cuda.get_device_capability(config.device) < (8, 0):
+        return ("the MoE experts of this model need torch's grouped_mm, which needs compute capability 8.0 or "
+                "newer; on this GPU transformers runs a loop over the experts that syncs with the host")
     return None
 
 
