@@ -149,6 +149,13 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "lru_width": 32, "attention_window_size": 16}),
     "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
+    "gemma3": (tf.Gemma3Config, {  # Gemma 3 4B and up: a vision tower beside the text model, served text-only
+        "text_config": {**_WINDOWED, "layer_types": ["sliding_attention", "full_attention"] * 2, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                          "num_attention_heads": 4, "image_size": 28, "patch_size": 14},
+        "mm_tokens_per_image": 4, "boi_token_index": 125, "eoi_token_index": 126, "image_token_index": 127}),
     "doge": (tf.DogeConfig, _FOUR),
     "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
     "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,

@@ -24,7 +24,7 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee",
             "ministral", "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode",
             "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
-            "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum"]
+            "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -86,7 +86,7 @@ def test_accepted_model_is_exact(zoo_dir, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3_text", "mixtral", "gpt2"])
+@pytest.mark.parametrize("name", ["phi3_longrope", "gemma3_text", "gemma3", "mixtral", "gpt2"])
 def test_accepted_model_is_exact_through_decode_graphs(zoo_dir, name, device):
     """Per-sequence LongRoPE, mixed window layers, MoE experts and learned positions through the padded
     static-buffer decode step (run eagerly on the CPU; captured on a GPU, where a model op that syncs
@@ -152,9 +152,10 @@ def test_unverified_architecture_is_refused(tmp_path):
         make_engine(path)
 
 
-@pytest.mark.parametrize("config_class", [transformers.Gemma3Config, transformers.LlavaConfig])
+@pytest.mark.parametrize("config_class", [transformers.Qwen2_5_VLConfig, transformers.LlavaConfig])
 def test_multimodal_model_is_refused_before_its_weights_load(tmp_path, config_class):
-    """A vision-language checkpoint (Gemma 3 4B and up, LLaVA) is refused from its config alone."""
+    """A vision-language checkpoint of a type not verified text-only (Qwen2.5-VL, LLaVA) is refused from
+    its config alone."""
     config_class().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"model type '{config_class.model_type}'.*multimodal"):
         make_engine(str(tmp_path))

@@ -94,7 +94,7 @@ class ModelRunner:
         layers, kv_heads, head_dim = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
-        hf = self.model.config
+        hf = self.model.config.get_text_config(decoder=True)
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.block_size = config.block_size
         self.block_shape = (layers, 2, config.block_size, kv_heads, head_dim)

@@ -1,7 +1,8 @@
 """Which models the engine serves exactly, and the shape of their paged KV cache.
 
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
-against transformers `generate`) and its config uses no feature our paged attention cannot see:
+against transformers `generate`; a vision-language type there, Gemma 3's, is served text-only, its vision
+tower loaded but never run) and its config uses no feature our paged attention cannot see:
 recurrent or linear-attention layers, chunked attention, ALiBi, batch-dependent RoPE. Everything else
 is refused at construction with a `ValueError` naming the model type and the feature.
 """
@@ -24,7 +25,7 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee", "ministral",
     "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode", "nanochat", "cwm", "jais2",
     "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
-    "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum"})
+    "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -61,13 +62,14 @@ def refuse(model_type: str, feature: str) -> ValueError:
 def check_config(config: transformers.PretrainedConfig) -> None:
     """Raise `ValueError` unless `config` is a model type and feature set the engine serves exactly."""
     model_type = config.model_type
-    features = _flagged_features(config)
-    if config.get_text_config(decoder=True) is not config:
+    text = config.get_text_config(decoder=True)
+    features = _flagged_features(text)
+    if text is not config and model_type not in SUPPORTED_MODEL_TYPES:
         features.insert(0, "a multimodal or encoder-decoder model (its decoder's config is nested, as "
                            "text_config); the engine serves text-only causal LMs")
     if model_type in _REFUSED_MODEL_TYPES:
         features.append(_REFUSED_MODEL_TYPES[model_type])
-    layer_types = getattr(config, "layer_types", None) or []
+    layer_types = getattr(text, "layer_types", None) or []
     features += [f"layer type {t!r}" for t in sorted(set(layer_types) - _ATTENTION_LAYER_TYPES, key=str)]
     if not features and model_type not in SUPPORTED_MODEL_TYPES:
         features.append("an architecture not verified against transformers "
@@ -138,7 +140,7 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
     finally:
         set_backend(None)
     layers = [layer for layer, _, _ in probe.calls]
-    if layers != list(range(model.config.num_hidden_layers)):
+    if layers != list(range(model.config.get_text_config(decoder=True).num_hidden_layers)):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers})")
     shapes = {k for _, k, _ in probe.calls} | {v for _, _, v in probe.calls}
