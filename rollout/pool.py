@@ -71,7 +71,11 @@ class WorkerPool:
                 f"could not place {self.size} workers of {bundle} within "
                 f"{self.config.placement_timeout_s} s (strategy {self.config.placement_strategy}); "
                 f"the cluster has {have}") from None
-        await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
+        try:
+            await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
+        except BaseException:  # a worker whose engine failed lives on to report it: end them all now
+            self.shutdown()
+            raise
         for worker, handle in self.workers.items():
             self._watch(worker, handle)
         self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
@@ -193,7 +197,10 @@ class WorkerPool:
         return {i: {**s, "outstanding": self.load[i]} for i, s in stats.items()}
 
     def shutdown(self) -> None:
-        """Stop replacing, kill every worker (replacements under way included) and free the placement group."""
+        """Stop replacing, kill every worker (replacements under way included) and free the placement group;
+        a second call does nothing."""
+        if self.closed:
+            return
         self.closed = True
         for task in [*self.replacing.values(), *self.watches.values(), self.stall_watch]:
             if task is not None:

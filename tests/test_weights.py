@@ -47,6 +47,17 @@ def test_a_version_number_that_comes_back_never_matches_kv_of_other_weights(poli
         assert engine.stats()["cached_prefix_tokens"] == cached_before, f"KV reused after version {version}"
 
 
+def test_a_root_never_equals_a_one_token_block_of_older_weights(policies):
+    """With block_size=1, the first update's root must not be the hash of the one-token block [1] cached
+    before it, or `tail` would be served the old weights' KV of `[1] + tail`."""
+    old, new = policies
+    tail = list(range(20, 40))
+    engine = make_engine(old, block_size=1)
+    run(engine, [[1] + tail], GREEDY)
+    engine.update_weights(hf_model(new).state_dict(), version=7)
+    assert run(engine, [tail], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, tail)
+
+
 @pytest.mark.parametrize("break_it, match", [
     (lambda sd: sd.pop("lm_head.weight"), "missing 'lm_head.weight'"),
     (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected 'extra'"),
@@ -78,7 +89,10 @@ def test_tied_embeddings_update_from_a_checkpoint(model_dir):
     with pytest.raises(ValueError, match="missing 'model.embed_tokens.weight'; missing 'lm_head.weight'"):
         engine.update_weights(state, version=2)
     both = {**load_source(old), "lm_head.weight": load_source(old)["model.embed_tokens.weight"].clone()}
-    engine.update_weights(both, version=2)  # the tied pair given twice with one value: fine
+    both["lm_head.weight"][0, 0] = both["model.embed_tokens.weight"][0, 0] = float("nan")
+    engine.update_weights(both, version=2)  # the tied pair given twice with one value (NaN included): fine
+    engine.update_weights(hf_model(old).state_dict(), version=2)  # given as one tensor under both names
+    assert "lm_head.weight" in hf_model(old).state_dict()
     both["lm_head.weight"] = both["lm_head.weight"] + 1  # a trainer's untied copy: one value would win
     with pytest.raises(ValueError, match="'model.embed_tokens.weight' and 'lm_head.weight' are one tied tensor"):
         engine.update_weights(both, version=3)

@@ -29,6 +29,7 @@ class RolloutWorker:
             self.loop = EngineLoop(lambda: Engine(config.engine, worker_id=worker_id), config.flush_rows,
                                    config.flush_delay_s)
         except Exception as err:  # kept for `ready`: raised here, it would reach the pool only as Ray's text
+            err.__traceback__ = err.__cause__ = err.__context__ = None  # frees the half-built engine
             self.error = err
             return
         self.weights = WeightReceiver(self.loop)
@@ -66,7 +67,7 @@ class RolloutWorker:
         return await asyncio.wrap_future(self.loop.submit(self.loop.engine.tokenize, prompts, params))
 
     async def stats(self) -> dict[str, int]:
-        """The engine's counters and weights version; the first call also tells that the engine has loaded."""
+        """The engine's counters and weights version."""
         return await asyncio.wrap_future(self.loop.submit(self.loop.engine.stats))
 
     async def progress(self) -> tuple[int, bool]:

@@ -60,7 +60,7 @@ class Scheduler:
         """Root later prompts' prefix hashes afresh, so that KV computed under earlier weights is never
         matched, even when a weights version number comes back (a trainer resuming or rolling back)."""
         self.weights_updates += 1
-        self.hash_root = hash_block(0, [self.weights_updates])
+        self.hash_root = hash_block(0, [-2, self.weights_updates])  # no block of token ids hashes this
 
     @contextlib.contextmanager
     def started_only(self) -> Iterator[None]:

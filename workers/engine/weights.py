@@ -61,10 +61,18 @@ def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, tor
         a, b = torch.as_tensor(state[other]), torch.as_tensor(state[name])
         if other == name or a.is_meta or b.is_meta:  # names, shapes and dtypes only: values come later
             continue
-        if _storage(a) != _storage(b) and not torch.equal(a, b.to(a.device)):  # (a tied source: one tensor)
+        if _storage(a) != _storage(b) and not _same_bits(a, b.to(a.device)):  # (a tied source: one tensor)
             problems.append(f"{other!r} and {name!r} are one tied tensor in this model, but the update gives "
                             "them different values")
     return problems
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, bit for bit (two copies of weights holding NaN are the same)."""
+    if a.dtype.is_floating_point and a.dtype == b.dtype:
+        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
 
 
 def _storage(tensor: torch.Tensor) -> tuple:
