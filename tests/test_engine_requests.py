@@ -107,7 +107,7 @@ def test_sample_indices_subset(qwen3):
     params = SamplingParams(n=6, max_new_tokens=10, seed=9, ignore_eos=True)
     full = run(make_engine(qwen3), [prompt], params)
     engine = make_engine(qwen3)
-    engine.add_request(prompt, params, sample_indices=[4, 1])
+    engine.add_request(prompt, params, sample_indices=np.array([4, 1]))  # any integer sequence
     rows = {}
     while engine.has_unfinished():
         rows.update((r["sample_index"], r) for r in engine.step())

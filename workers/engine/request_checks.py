@@ -33,7 +33,8 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
     """The wanted sample indices, sorted: all of `range(n)` when None, else a non-empty set of integers in it."""
     if sample_indices is None:
         return list(range(n))
-    indices = list(sample_indices) if isinstance(sample_indices, (list, tuple, set, range)) else []
+    given = sample_indices.tolist() if hasattr(sample_indices, "tolist") else sample_indices  # numpy, torch
+    indices = list(given) if isinstance(given, (list, tuple, set, range)) else []
     if not indices or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < n
                               for i in indices):
         raise ValueError(f"sample_indices={sample_indices!r} must be a non-empty subset of range({n})")
