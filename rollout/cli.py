@@ -152,8 +152,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Start the service of --config as named actors (`name` in `namespace`) on a running Ray cluster and
     wait until every engine is loaded; trainers then connect with RolloutClient.connect(name, namespace).
-    It runs until this process is stopped (`ray job stop`, SIGTERM, Ctrl-C), or with --detach returns at
-    once and keeps running."""
+    It runs until this process is stopped (`ray job stop`, SIGTERM, Ctrl-C), or with --detach returns once
+    the engines have loaded and keeps running."""
     import ray
 
     from rollout.local_ray import join_cluster

@@ -158,6 +158,7 @@ ZOO: dict[str, tuple[type, dict]] = {
         "mm_tokens_per_image": 4, "boi_token_index": 125, "eoi_token_index": 126, "image_token_index": 127}),
     "doge": (tf.DogeConfig, _FOUR),
     "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
+    "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
                                           "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
                                           "n_routed_experts": 2, "num_experts_per_tok": 1,

@@ -33,7 +33,7 @@ REFUSED = {
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
     "deepseek_v2": "latent attention", "deepseek_v3": "latent attention", "doge": "dynamic mask attention",
-    "granite_swa": "attention sinks",
+    "granite_swa": "attention sinks", "gpt_oss": "attention sinks",
 }
 # Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that
 # start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
