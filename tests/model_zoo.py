@@ -40,9 +40,7 @@ ZOO: dict[str, tuple[type, dict]] = {
     "phi3_longrope": (tf.Phi3Config, {**_LLAMA_LIKE, "pad_token_id": 0, "hidden_size": 64, "num_attention_heads": 8,
                                       "num_key_value_heads": 4, "max_position_embeddings": 128,
                                       "original_max_position_embeddings": 32, "rope_parameters": _LONGROPE}),
-    "llama3_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {  # Llama 3.1's frequency scaling
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama3_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": _LLAMA3_ROPE}),  # Llama 3.1's scaling
     "llama_linear_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     "qwen2_yarn": (tf.Qwen2Config, {**_LLAMA_LIKE, "rope_parameters": {
@@ -112,6 +110,13 @@ ZOO: dict[str, tuple[type, dict]] = {
                                "first_k_dense_replace": 1}),
     "mellum": (tf.MellumConfig, {**_WINDOWED, **_MOE, "num_local_experts": 4, "layer_types": [
         "sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
+    "gemma3": (tf.Gemma3Config, {  # Gemma 3 4B and up: a vision tower beside the text model, served text-only
+        "text_config": {**_WINDOWED, "layer_types": ["sliding_attention", "full_attention"] * 2, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                          "num_attention_heads": 4, "image_size": 28, "patch_size": 14},
+        "mm_tokens_per_image": 4, "boi_token_index": 125, "eoi_token_index": 126, "image_token_index": 127}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
@@ -149,13 +154,6 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "lru_width": 32, "attention_window_size": 16}),
     "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
-    "gemma3": (tf.Gemma3Config, {  # Gemma 3 4B and up: a vision tower beside the text model, served text-only
-        "text_config": {**_WINDOWED, "layer_types": ["sliding_attention", "full_attention"] * 2, "rope_parameters": {
-            "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 8.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                          "num_attention_heads": 4, "image_size": 28, "patch_size": 14},
-        "mm_tokens_per_image": 4, "boi_token_index": 125, "eoi_token_index": 126, "image_token_index": 127}),
     "doge": (tf.DogeConfig, _FOUR),
     "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
     "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),

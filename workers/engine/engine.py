@@ -34,7 +34,7 @@ class Engine:
         self.config = config
         self.worker_id = worker_id
         self.runner = ModelRunner(config)
-        self.vocab_size = self.runner.model.config.get_text_config(decoder=True).vocab_size
+        self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = _load_tokenizer(config)

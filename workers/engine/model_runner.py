@@ -96,6 +96,7 @@ class ModelRunner:
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
+        self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
         self.block_shape = (layers, 2, config.block_size, kv_heads, head_dim)
         self.staging = Staging(self.device)
