@@ -76,12 +76,12 @@ def log_cache(num_blocks: int, block_size: int, bytes_per_block: int, sized: boo
                 num_blocks * block_size, num_blocks * bytes_per_block / 2**30, how)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host tensor, page-locked when `pin` to its size rounded up to whole pages (torch's
-    pinned allocator would round it up to a power of two). It owns a mapping of its own, so the locked
-    pages hold nothing else and torch sees the tensor as pinned."""
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked for a CUDA `device` to its size rounded up to whole pages
+    (torch's pinned allocator would round it up to a power of two). It owns a mapping of its own, so the
+    locked pages hold nothing else and torch sees the tensor as pinned."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not (pin and nbytes):
+    if not (device.type == "cuda" and nbytes):
         return torch.empty(shape, dtype=dtype)
     locked = cdiv(nbytes, PAGE) * PAGE
     pages = torch.frombuffer(mmap.mmap(-1, locked, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
@@ -89,5 +89,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {int(err)}")
     tensor = pages[:nbytes].view(dtype).view(shape)
-    weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, pages.data_ptr())
+    weakref.finalize(tensor, _unpin, pages.data_ptr(), device)
     return tensor
+
+
+def _unpin(address: int, device: torch.device) -> None:
+    """Unlock pages once `device` has finished every copy queued on them (a dropped CPU pool may still
+    have offloads in flight on its copy stream)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(address)

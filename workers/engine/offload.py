@@ -53,7 +53,7 @@ class CpuPool:
         block_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
         self.bytes_per_block = int(np.prod(block_shape)) * kv_cache.element_size()
         self.num_blocks = cpu_pool_blocks(gib, self.bytes_per_block)
-        self.blocks = pinned_empty((self.num_blocks, *block_shape), kv_cache.dtype, kv_cache.is_cuda)
+        self.blocks = pinned_empty((self.num_blocks, *block_shape), kv_cache.dtype, kv_cache.device)
         self.free: deque[int] = deque(range(self.num_blocks))
         self.staging = Staging(kv_cache.device)
         self.stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None

@@ -36,7 +36,7 @@ class Staging:
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # old buffers may still be read
         self.capacity = max(nbytes, 2 * self.capacity, 4096)
-        self.host = [pinned_empty((self.capacity,), torch.uint8, self.cuda) for _ in range(2)]
+        self.host = [pinned_empty((self.capacity,), torch.uint8, self.device) for _ in range(2)]
         if self.cuda:
             self.dev = [torch.empty(self.capacity, dtype=torch.uint8, device=self.device) for _ in range(2)]
             self.done = [torch.cuda.Event() for _ in range(2)]
