@@ -39,6 +39,7 @@ class WorkerPool:
         self.size = len(self.placement.bundle_specs)
         self.workers: dict[int, ActorHandle] = {}  # started by `ready`
         self.load: dict[int, int] = {}
+        self.num_blocks: dict[int, int] = {}  # each worker's KV cache, reported by `ready`
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
         self.replacing: dict[int, asyncio.Task] = {}
         self.watches: dict[int, asyncio.Task] = {}
@@ -72,10 +73,11 @@ class WorkerPool:
                 f"{self.config.placement_timeout_s} s (strategy {self.config.placement_strategy}); "
                 f"the cluster has {have}") from None
         try:
-            await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
+            sizes = await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         except BaseException:  # a worker whose engine failed lives on to report it: end them all now
             self.shutdown()
             raise
+        self.num_blocks.update(zip(self.workers, sizes))
         for worker, handle in self.workers.items():
             self._watch(worker, handle)
         self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
@@ -135,7 +137,7 @@ class WorkerPool:
         has handed it the latest weights. A replacement that fails is given up (the slot stays empty)."""
         try:
             handle = self.starting[worker] = await self._respawn(worker)
-            await handle.ready.remote()  # its engine has loaded
+            self.num_blocks[worker] = await handle.ready.remote()  # its engine has loaded
             await self.prepare(handle, lambda: self._admit(worker))
             log.warning("worker %d replaced", worker)
         except Exception as err:
@@ -161,11 +163,12 @@ class WorkerPool:
         self.load[worker] = 0
         self._watch(worker, self.workers[worker])
 
-    async def call_any(self, method: str, *args: Any) -> Any:
-        """`method(*args)` on the least-loaded live worker; if that worker is lost meanwhile, on another."""
+    async def call_any(self, method: str, *args: Any, rank: Callable[[int], Any] | None = None) -> Any:
+        """`method(*args)` on the live worker ranked first by `rank(worker id)` (by default the least loaded);
+        if that worker is lost meanwhile, on the next one ranked first."""
         while True:
             await self.wait_live()
-            worker = min(self.load, key=self.load.__getitem__)
+            worker = min(self.load, key=rank or self.load.__getitem__)
             handle = self.workers[worker]
             try:
                 return await getattr(handle, method).remote(*args)
@@ -173,9 +176,11 @@ class WorkerPool:
                 self.lose(worker, handle, err)
 
     async def tokenize(self, prompts: list, params: SamplingParams) -> list[list[int]]:
-        """Token ids of `prompts`, validated (their samples fitting its cache too) by the least-loaded live
-        worker's engine, so that a bad prompt is refused before any worker has work."""
-        return await self.call_any("tokenize", prompts, params)
+        """Token ids of `prompts`, validated by the engine of the live worker with the smallest KV cache (the
+        least loaded of those), so that a bad prompt, or one whose samples some worker's cache could not
+        hold, is refused before any worker has work. Caches sized automatically differ between GPUs."""
+        return await self.call_any("tokenize", prompts, params,
+                                   rank=lambda worker: (self.num_blocks[worker], self.load[worker]))
 
     async def call_all(self, method: str, *args: Any) -> dict[int, Any]:
         """`method(*args)` on every live worker at once; results by worker id. Workers lost meanwhile are

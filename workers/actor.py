@@ -34,11 +34,12 @@ class RolloutWorker:
             return
         self.weights = WeightReceiver(self.loop)
 
-    async def ready(self) -> None:
-        """Return once the engine has loaded, or raise the error that stopped it (a refused model's
-        ValueError, say); the pool calls this before anything else and drops a worker that fails it."""
+    async def ready(self) -> int:
+        """The engine's KV cache size in blocks, once it has loaded; or the error that stopped it (a refused
+        model's ValueError, say). The pool calls this before anything else and drops a worker that fails it."""
         if self.error is not None:
             raise self.error
+        return self.loop.engine.pool.num_blocks
 
     async def generate(self, call_id: str, groups: list[PromptGroup],
                        params: SamplingParams) -> AsyncIterator[pa.RecordBatch | None]:

@@ -1,0 +1,33 @@
+"""The pool's choice of worker for a call, over stand-in worker handles (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from rollout.params import SamplingParams
+from rollout.pool import WorkerPool
+
+
+def pool_of(num_blocks: dict[int, int], load: dict[int, int], calls: list[int]) -> WorkerPool:
+    """A pool whose live workers only record which of them was asked to tokenize."""
+    def handle(worker: int) -> SimpleNamespace:
+        async def tokenize(prompts: list, params: SamplingParams) -> list[list[int]]:
+            calls.append(worker)
+            return prompts
+        return SimpleNamespace(tokenize=SimpleNamespace(remote=tokenize))
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.workers = {worker: handle(worker) for worker in num_blocks}
+    pool.num_blocks, pool.load, pool.replacing = num_blocks, load, {}
+    return pool
+
+
+def test_prompts_are_validated_by_the_worker_with_the_smallest_cache():
+    """Automatic sizing gives GPUs caches of different sizes: a prompt is validated against the smallest,
+    even while a larger one is less loaded, so that any worker it is routed to can hold its samples; among
+    equal caches the least loaded validates."""
+    calls: list[int] = []
+    pool = pool_of({0: 512, 1: 384, 2: 384}, {0: 0, 1: 9, 2: 4}, calls)
+    assert asyncio.run(pool.tokenize([[5, 6]], SamplingParams(n=8))) == [[5, 6]]
+    assert calls == [2]
