@@ -3,10 +3,10 @@
 #   - pytest of the engine and kernel tests: on CUDA the Triton kernels are compiled and compared with
 #     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
-#     step makes exactly one host sync (torch's sync debug mode), automatic KV sizing stays within
-#     the card's budget (tests/test_gpu_step.py), every accepted model family stays exact through
-#     captured decode graphs in float32, and the MoE families in bfloat16, the one dtype their experts
-#     (torch._grouped_mm) capture in (tests/test_model_coverage.py);
+#     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores,
+#     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), every accepted
+#     model family stays exact through captured decode graphs in float32, and the MoE families in
+#     bfloat16, the one dtype their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no

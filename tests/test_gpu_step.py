@@ -1,7 +1,7 @@
 """The GPU-shaped step on a real GPU: one host wait per decode step (eager and through decode graphs,
-with and without async batching), decode graphs captured at start and replaying like the eager forward,
-automatic sizing within the card's budget, and an exact-size pinned CPU pool. Skipped without CUDA
-(scripts/gpu_check.sh runs it)."""
+with and without async batching, and in steps that offload or restore), decode graphs captured at start
+and replaying like the eager forward, automatic sizing within the card's budget, and an exact-size pinned
+CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,25 @@ def test_one_sync_per_decode_step(model_dir, monkeypatch, graphs, async_batching
     replays = engine.runner.graphs.replays if graphs[1] else 0
     assert decode_syncs(engine, 8, monkeypatch) == [1] * 8
     assert (engine.runner.graphs.replays == replays + 8) if graphs[1] else engine.runner.graphs is None
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_offload_and_restore_add_no_host_wait(model_dir, monkeypatch, async_batching):
+    """Steps that offload sequences to the pinned CPU pool or restore them from it still wait once, for the
+    sampled tokens: the copies queue on the copy stream, ordered with compute on the device (a pageable
+    pool would make each copy wait)."""
+    engine = Engine(EngineConfig(model=model_dir(), device="cuda", block_size=16, num_blocks=24, max_num_seqs=16,
+                                 cpu_offload_gib=0.01, async_batching=async_batching))
+    for i, prompt in enumerate(random_prompts(6, 512, (20, 40), seed=5)):
+        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=160, seed=i, ignore_eos=True)
+        engine.add_request(prompt, params, prompt_index=i)
+    offloader = engine.scheduler.offloader
+    while offloader.restores == 0:  # the CPU pool's staging buffers are allocated
+        engine.step()
+    moved = offloader.offloads + offloader.restores
+    assert decode_syncs(engine, 40, monkeypatch) == [1] * 40
+    assert offloader.offloads + offloader.restores - moved >= 5, "too few copies to tell anything"
     engine.check_integrity()
 
 
