@@ -4,6 +4,8 @@ policy versions (see `producing_logprobs`)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pyarrow as pa
 import torch
 import transformers
@@ -55,9 +57,16 @@ def resumed_logprobs(old: transformers.PreTrainedModel, new: transformers.PreTra
     """Logprobs of `ids[split + 1:]` computed the way an engine does after a "continue" update at `split`:
     the keys and values of positions before `split` come from `old` (cached before the update), those from
     `split` on from `new`, which also makes the logits."""
-    cache = old(input_ids=ids[None, :split], use_cache=True).past_key_values
-    logits = new(input_ids=ids[None, split:], past_key_values=cache).logits[0].float()
+    name = _cache_name(new)
+    cache = old(input_ids=ids[None, :split], use_cache=True)[name]
+    logits = new(input_ids=ids[None, split:], **{name: cache}).logits[0].float()
     return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[split + 1:, None])[:, 0]
+
+
+def _cache_name(model: transformers.PreTrainedModel) -> str:
+    """The name of the KV cache in the model's forward and outputs: `cache` from transformers 5.24
+    (`past_key_values`, deprecated there, goes in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
