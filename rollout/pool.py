@@ -105,12 +105,15 @@ class WorkerPool:
         while self.replacing:
             await asyncio.wait(list(self.replacing.values()))
 
-    def assign(self, demands: dict[int, int]) -> dict[int, list[int]]:
+    def assign(self, demands: dict[int, int], num_blocks: int = 0) -> dict[int, list[int]]:
         """Give each prompt (prompt index -> samples wanted) to the live worker with the least outstanding
-        load, largest demands first; the load counts the samples until `release`d. Call `wait_live` first."""
+        load, largest demands first, among those whose KV cache has at least `num_blocks` blocks (the cache
+        the prompts were validated against), or among all when none has (their engines judge then). The
+        load counts the samples until `release`d. Call `wait_live` first."""
         plan: dict[int, list[int]] = {}
+        holding = [worker for worker in self.load if self.num_blocks[worker] >= num_blocks] or list(self.load)
         for prompt, samples in sorted(demands.items(), key=lambda item: -item[1]):
-            worker = min(self.load, key=self.load.__getitem__)
+            worker = min(holding, key=self.load.__getitem__)
             self.load[worker] += samples
             plan.setdefault(worker, []).append(prompt)
         return plan
@@ -163,24 +166,29 @@ class WorkerPool:
         self.load[worker] = 0
         self._watch(worker, self.workers[worker])
 
-    async def call_any(self, method: str, *args: Any, rank: Callable[[int], Any] | None = None) -> Any:
-        """`method(*args)` on the live worker ranked first by `rank(worker id)` (by default the least loaded);
-        if that worker is lost meanwhile, on the next one ranked first."""
+    async def call_any(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on the least-loaded live worker; if that worker is lost meanwhile, on another."""
+        return (await self._call_first(self.load.__getitem__, method, *args))[1]
+
+    async def _call_first(self, rank: Callable[[int], Any], method: str, *args: Any) -> tuple[int, Any]:
+        """(worker id, `method(*args)`) on the live worker ranked first by `rank(worker id)`; if that worker is
+        lost meanwhile, on the next one ranked first."""
         while True:
             await self.wait_live()
-            worker = min(self.load, key=rank or self.load.__getitem__)
+            worker = min(self.load, key=rank)
             handle = self.workers[worker]
             try:
-                return await getattr(handle, method).remote(*args)
+                return worker, await getattr(handle, method).remote(*args)
             except RayActorError as err:
                 self.lose(worker, handle, err)
 
-    async def tokenize(self, prompts: list, params: SamplingParams) -> list[list[int]]:
+    async def tokenize(self, prompts: list, params: SamplingParams) -> tuple[list[list[int]], int]:
         """Token ids of `prompts`, validated by the engine of the live worker with the smallest KV cache (the
         least loaded of those), so that a bad prompt, or one whose samples some worker's cache could not
-        hold, is refused before any worker has work. Caches sized automatically differ between GPUs."""
-        return await self.call_any("tokenize", prompts, params,
-                                   rank=lambda worker: (self.num_blocks[worker], self.load[worker]))
+        hold, is refused before any worker has work; and that cache's size in blocks, for `assign`. Caches
+        sized automatically differ between GPUs."""
+        worker, ids = await self._call_first(lambda w: (self.num_blocks[w], self.load[w]), "tokenize", prompts, params)
+        return ids, self.num_blocks[worker]
 
     async def call_all(self, method: str, *args: Any) -> dict[int, Any]:
         """`method(*args)` on every live worker at once; results by worker id. Workers lost meanwhile are

@@ -47,10 +47,11 @@ class _Stream:
 
 
 class SampleCall:
-    """Routes the prompts of one call to workers and yields their batches; see `run`."""
+    """Routes the prompts of one call to workers and yields their batches; see `run`. `num_blocks` is the KV
+    cache the prompts were validated against: they go to workers whose cache is at least that large."""
 
-    def __init__(self, pool: WorkerPool, prompts: list[list[int]], params: SamplingParams) -> None:
-        self.pool, self.prompts, self.params = pool, prompts, params
+    def __init__(self, pool: WorkerPool, prompts: list[list[int]], params: SamplingParams, num_blocks: int) -> None:
+        self.pool, self.prompts, self.params, self.num_blocks = pool, prompts, params, num_blocks
         self.call_id = uuid.uuid4().hex[:16]
         self.missing = {i: set(range(params.n)) for i in range(len(prompts))}
         self.streams: list[_Stream] = []
@@ -87,7 +88,7 @@ class SampleCall:
         """Route the missing samples of `prompts` and open their streams; a worker lost before it
         acknowledged its share has that share routed again."""
         await self.pool.wait_live()
-        plan = self.pool.assign({i: len(self.missing[i]) for i in prompts})
+        plan = self.pool.assign({i: len(self.missing[i]) for i in prompts}, self.num_blocks)
         # Wait for every share before raising, so that each opened stream is known when the call ends.
         results = await asyncio.gather(*(self._open(w, share) for w, share in plan.items()),
                                        return_exceptions=True)

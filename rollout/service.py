@@ -50,7 +50,8 @@ class RolloutService:
         """Yield the number of samples once every prompt is validated and queued, then record batches as
         samples finish. The call is aborted if `caller`'s process dies."""
         await self.ready()
-        call = SampleCall(self.pool, await self.pool.tokenize(prompts, params), params)
+        token_ids, num_blocks = await self.pool.tokenize(prompts, params)
+        call = SampleCall(self.pool, token_ids, params, num_blocks)
         with self.callers.watching(caller, call):
             async for item in call.run():
                 yield item

@@ -29,5 +29,15 @@ def test_prompts_are_validated_by_the_worker_with_the_smallest_cache():
     equal caches the least loaded validates."""
     calls: list[int] = []
     pool = pool_of({0: 512, 1: 384, 2: 384}, {0: 0, 1: 9, 2: 4}, calls)
-    assert asyncio.run(pool.tokenize([[5, 6]], SamplingParams(n=8))) == [[5, 6]]
+    assert asyncio.run(pool.tokenize([[5, 6]], SamplingParams(n=8))) == ([[5, 6]], 384)
     assert calls == [2]
+
+
+def test_prompts_go_to_workers_whose_cache_is_as_large_as_the_one_that_validated_them():
+    """A replacement can come up with a smaller cache than the worker that validated a call's prompts: their
+    samples (sent or resent) go to the least loaded of the workers at least as large, and to the least loaded
+    of all only when none is (whose engine then judges them)."""
+    pool = pool_of({0: 512, 1: 384, 2: 448}, {0: 6, 1: 0, 2: 4}, [])
+    assert pool.assign({0: 8, 1: 2}, num_blocks=448) == {2: [0], 0: [1]}
+    assert pool.load == {0: 8, 1: 0, 2: 12}
+    assert pool.assign({2: 8}, num_blocks=1024) == {1: [2]}
