@@ -105,7 +105,7 @@ class WorkerPool:
         while self.replacing:
             await asyncio.wait(list(self.replacing.values()))
 
-    def assign(self, demands: dict[int, int], num_blocks: int = 0) -> dict[int, list[int]]:
+    def assign(self, demands: dict[int, int], num_blocks: int) -> dict[int, list[int]]:
         """Give each prompt (prompt index -> samples wanted) to the live worker with the least outstanding
         load, largest demands first, among those whose KV cache has at least `num_blocks` blocks (the cache
         the prompts were validated against), or among all when none has (their engines judge then). The
