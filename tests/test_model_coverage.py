@@ -127,6 +127,21 @@ def test_moe_decode_graphs_are_exact_in_bfloat16(zoo_dir, name):
     assert torch.cat(diffs).median() <= 0.05, "the engine's logprobs differ from the forward's"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_recomputed_per_forward_is_made_once(zoo_dir, device):
+    """PhiMoE's rotary embedding recomputes its frequencies on the CPU in every forward, a host copy that a
+    CUDA graph cannot capture: the engine's model reuses one copy made on its device, with the same
+    cos/sin, while a call with a `seq_len` still computes."""
+    engine = make_engine(zoo_dir("phimoe"), device=device)
+    rotary = engine.runner.model.base_model.rotary_emb
+    first, second = rotary.rope_init_fn(rotary.config), rotary.rope_init_fn(rotary.config)
+    assert first[0] is second[0] and first[0].device == rotary.inv_freq.device
+    original = type(rotary)(rotary.config).to(device)
+    x, positions = torch.zeros(1, 3, 8, device=device), torch.tensor([[0, 5, 9]], device=device)
+    assert all(torch.equal(a, b) for a, b in zip(rotary(x, positions), original(x, positions)))
+    assert rotary.rope_init_fn(rotary.config, seq_len=4)[0] is not first[0]
+
+
 def assert_exact(path: str, **config) -> Engine:
     """A batch of short and long prompts (the long ones chunked) gives `generate`'s greedy tokens, with
     the logprobs of a plain forward; returns the engine."""

@@ -16,6 +16,7 @@ import transformers
 
 from workers.engine.attention import AttentionBackend, set_backend
 from workers.engine.longrope import install_per_sequence_longrope
+from workers.engine.rope_cache import cache_rope_init
 
 # Model types verified exact in tests/test_model_coverage.py.
 SUPPORTED_MODEL_TYPES = frozenset({
@@ -99,10 +100,11 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
 
 
 def adapt_model(model: transformers.PreTrainedModel) -> KvLayout:
-    """Check what a probe forward sees of `model`'s attention, make its RoPE per sequence, and
-    return the layout of its paged cache."""
+    """Check what a probe forward sees of `model`'s attention, make its RoPE per sequence and free of
+    per-step host copies, and return the layout of its paged cache."""
     layout = kv_layout(model)
     install_per_sequence_longrope(model)
+    cache_rope_init(model)
     return layout
 
 

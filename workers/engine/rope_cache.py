@@ -1,0 +1,32 @@
+"""Rotary embeddings that recompute their frequencies in every forward (PhiMoE's calls
+`self.rope_init_fn(self.config)` each time) build a CPU tensor and copy it to the device: a host copy
+per step, and a launch a CUDA graph cannot capture. `cache_rope_init` makes them reuse tensors made
+once, on the model's device, with the same values.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import transformers
+
+
+def cache_rope_init(model: transformers.PreTrainedModel) -> None:
+    """Give every rotary embedding of `model` that keeps a `rope_init_fn` a cached one; the others are
+    left untouched. A call with other arguments than the module's config (a `seq_len`) still computes."""
+    for module in model.modules():
+        init = getattr(module, "rope_init_fn", None)
+        buffer = getattr(module, "inv_freq", None)
+        if init is None or not isinstance(buffer, torch.Tensor) or isinstance(init, functools.partial):
+            continue
+        inv_freq, scaling = init(module.config)
+        cached = inv_freq.to(buffer.device, torch.float32), scaling
+        module.rope_init_fn = functools.partial(_cached_init, init, module.config, cached)
+
+
+def _cached_init(init: Callable, config: transformers.PretrainedConfig, cached: tuple[torch.Tensor, float],
+                 called_with: transformers.PretrainedConfig, *args, **kwargs) -> tuple[torch.Tensor, float]:
+    """`cached` for the module's own config and no other argument, else `init`'s result."""
+    return cached if called_with is config and not args and not kwargs else init(called_with, *args, **kwargs)
