@@ -11,10 +11,10 @@
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no
 #     run once GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began, so the whole
-#     check fits one 600 s device call (on an H100: tests 110-190 s before they captured all 61 model
-#     families, not yet timed since; bench_attention 20 s; bench_gpu what is left); BENCH_GPU_ARGS adds or replaces its options (e.g. "--workloads rollouts_2048"),
-#     SKIP_BENCH_GPU=1 leaves it out. The random models are saved once under $BENCH_GPU_CACHE
-#     (default /tmp/bench_gpu_models).
+#     check fits one 600 s device call (on an H100, 2026-11-24: tests 301 s with all 61 model families,
+#     bench_attention 20 s, bench_gpu what is left); BENCH_GPU_ARGS adds or replaces its options (e.g.
+#     "--workloads rollouts_2048"), SKIP_BENCH_GPU=1 leaves it out. The random models are saved once
+#     under $BENCH_GPU_CACHE (default /tmp/bench_gpu_models).
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec: copy its wheel into the
 # ignored folder .whl/ first and carry it with the device call, e.g.
 #   mkdir -p .whl && cp ../shared/wheels/msgspec-*.whl .whl/      # then run with carry [".whl"]
