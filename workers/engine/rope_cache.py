@@ -19,7 +19,7 @@ def cache_rope_init(model: transformers.PreTrainedModel) -> None:
     for module in model.modules():
         init = getattr(module, "rope_init_fn", None)
         buffer = getattr(module, "inv_freq", None)
-        if init is None or not isinstance(buffer, torch.Tensor) or isinstance(init, functools.partial):
+        if init is None or not isinstance(buffer, torch.Tensor):
             continue
         inv_freq, scaling = init(module.config)
         cached = inv_freq.to(buffer.device, torch.float32), scaling
