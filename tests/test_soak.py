@@ -114,15 +114,11 @@ def perturbed(model: str) -> dict[str, torch.Tensor]:
     return {name: t + 0.01 * torch.randn_like(t) for name, t in state.items()}
 
 
-def test_soak(model_dir):
-    model = model_dir("qwen3")
-    rollout.init(model=model, num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8, num_blocks=24,
-                 block_size=16, max_batch_tokens=64, cpu_offload_gib=4 * BYTES_PER_BLOCK / 2**30,
-                 object_store_memory_gib=0.5, check_integrity=True, worker_stall_timeout_s=STALL_S)
-    client = RolloutClient.connect(name="rollout", namespace="rollout")
-    tally, stop, preempted = Tally(), threading.Event(), Counter()
+def run_phases(client: RolloutClient, model: str, tally: Tally, preempted: Counter) -> float:
+    """Serve from concurrent callers through a kill, a weights update, a hang and a second kill; returns
+    when the update returned (inf when it never did)."""
+    stop, updated_at = threading.Event(), float("inf")
     threads = [threading.Thread(target=caller, args=(i, tally, stop)) for i in range(CALLERS)]
-    start, updated_at = time.monotonic(), float("inf")
     try:
         for thread in threads:
             thread.start()
@@ -140,20 +136,37 @@ def test_soak(model_dir):
         stop.set()
         for thread in threads:
             thread.join(timeout=300)
+    return updated_at
+
+
+def check_workers(client: RolloutClient, preempted: Counter) -> None:
+    """Both killed workers were replaced, every worker is idle with its blocks balanced, nothing left in
+    its CPU pool and the new version loaded; offload and recompute both happened."""
+    wait_for(lambda: sorted(client.stats()) == [0, 1], 120, "both killed workers to be replaced")
+    wait_for(lambda: all(s["running"] + s["waiting"] + s["offloaded"] == 0 for s in client.stats().values()),
+             60, "aborted samples to leave the workers")
+    stats = client.stats()
+    for worker in stats:
+        ray.get(ray.get_actor(f"rollout-worker-{worker}", namespace="rollout").__ray_call__.remote(check_integrity))
+    for s in stats.values():
+        assert s["blocks_free"] + s["blocks_cached"] == s["blocks_total"] and s["cpu_blocks_used"] == 0
+        assert s["policy_version"] == 1
+        preempted.update({k: s[k] for k in ("offloads", "recomputes")})
+    assert preempted["offloads"] and preempted["recomputes"], preempted
+
+
+def test_soak(model_dir):
+    model = model_dir("qwen3")
+    rollout.init(model=model, num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8, num_blocks=24,
+                 block_size=16, max_batch_tokens=64, cpu_offload_gib=4 * BYTES_PER_BLOCK / 2**30,
+                 object_store_memory_gib=0.5, check_integrity=True, worker_stall_timeout_s=STALL_S)
     try:
+        client = RolloutClient.connect(name="rollout", namespace="rollout")
+        tally, preempted, start = Tally(), Counter(), time.monotonic()
+        updated_at = run_phases(client, model, tally, preempted)
         assert not tally.errors, tally.errors
         check_rows(tally, updated_at)
-        wait_for(lambda: sorted(client.stats()) == [0, 1], 120, "both killed workers to be replaced")
-        wait_for(lambda: all(s["running"] + s["waiting"] + s["offloaded"] == 0 for s in client.stats().values()),
-                 60, "aborted samples to leave the workers")
-        stats = client.stats()
-        for worker in stats:
-            ray.get(ray.get_actor(f"rollout-worker-{worker}", namespace="rollout").__ray_call__.remote(check_integrity))
-        for s in stats.values():
-            assert s["blocks_free"] + s["blocks_cached"] == s["blocks_total"] and s["cpu_blocks_used"] == 0
-            assert s["policy_version"] == 1
-            preempted.update({k: s[k] for k in ("offloads", "recomputes")})
-        assert preempted["offloads"] and preempted["recomputes"], preempted
+        check_workers(client, preempted)
         again = rollout.sample(random_prompts(2, 512, (4, 8), seed=1), n=2, max_new_tokens=4).to_table()
         assert again.num_rows == 4
         print(f"soak: {tally.delivered} samples ({len(tally.complete)} complete calls, {len(tally.cancelled)} "
