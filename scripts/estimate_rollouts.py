@@ -1,12 +1,13 @@
 """Estimate how long this engine's whole rollouts_N runs take on a GPU, without one, to plan device calls.
 
 The real engine runs each workload on the CPU, on a one-layer tiny model, at 1/--scale of its prompt and
-new tokens, KV cache and CPU pool (the same 256 samples), and records per step the decoding sequences,
-their context and the prefill (or recompute) tokens. Each step is then costed on the card: (weights +
-KV read) / --bandwidth-gbs, the effective rate of a measured decode step, plus --prefill-us per prefill
-token (given for the Qwen3-1.7B shape, scaled by weight bytes for others). Weights and KV bytes per token
-come from scripts/bench_gpu.py's model shapes in bfloat16; the cache from --card-gib as the engine sizes
-it (--memory-utilization of the card less weights and --peak-gib), the pool from --offload-gib.
+new tokens, KV cache and CPU pool (the same 256 samples; a step's budget is one token per sample plus
+1024/--scale, the default 1024 scaled), and records per step the decoding sequences, their context and
+the prefill (or recompute) tokens. Each step is then costed on the card: (weights + KV read) /
+--bandwidth-gbs, the effective rate of a measured decode step, plus --prefill-us per prefill token (given
+for the Qwen3-1.7B shape, scaled by weight bytes for others). Weights and KV bytes per token come from
+scripts/bench_gpu.py's model shapes in bfloat16; the cache from --card-gib as the engine sizes it
+(--memory-utilization of the card less weights and --peak-gib), the pool from --offload-gib.
 
 Defaults are an H100 80GB as measured on 2026-11-24 (decode at 2.08 TB/s effective); with them the
 estimate of rollouts_1024 on qwen3-1.7b is 13 s, against 13.6 s measured. Figures mean nothing beyond
@@ -34,8 +35,14 @@ from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
 ROLLOUTS = [name for name in WORKLOADS if name.startswith("rollouts_")]
-TINY_BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 16 * 4  # one layer, (k, v), one KV head of 16, float32
+TINY_BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 16 * 4  # build_tiny's: one layer, (k, v), one KV head of 16, float32
 QWEN_WEIGHT_BYTES = 3.44e9  # --prefill-us is given for this shape
+
+
+def build_tiny(path: str | Path) -> Path:
+    """The one-layer model the scaled runs use (its cost is not what is estimated, only its steps)."""
+    return build_tiny_model(path, "qwen3", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                            max_position_embeddings=32768)
 
 
 def shape(model: str) -> tuple[int, int]:
@@ -97,8 +104,10 @@ def estimate(tiny: Path, model: str, workload: str, args: argparse.Namespace) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options, checked before any work."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if m != "tiny"], default=["qwen3-1.7b"])
-    parser.add_argument("--workloads", nargs="+", choices=ROLLOUTS, default=ROLLOUTS[:4])
+    parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if m != "tiny"], default=["qwen3-1.7b"],
+                        help="bench_gpu's model shapes to cost (default qwen3-1.7b)")
+    parser.add_argument("--workloads", nargs="+", choices=ROLLOUTS, default=ROLLOUTS[:4],
+                        help=f"workloads (default {' '.join(ROLLOUTS[:4])}; rollouts_16384 takes minutes)")
     parser.add_argument("--scale", type=int, default=16, help="lengths, cache and pool divided by this (default 16)")
     parser.add_argument("--card-gib", type=float, default=79.19, help="the card's memory (default 79.19: H100)")
     parser.add_argument("--memory-utilization", type=float, default=0.9, help="the engine's default 0.9")
@@ -107,9 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-gbs", type=float, default=2080.0, help="effective decode GB/s (2080)")
     parser.add_argument("--prefill-us", type=float, default=20.0, help="us per prefill token, Qwen3-1.7B (20)")
     args = parser.parse_args(argv)
-    for name in ("scale", "card_gib", "memory_utilization", "bandwidth_gbs"):
+    for name in ("scale", "card_gib", "memory_utilization", "bandwidth_gbs", "prefill_us"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+    for name in ("peak_gib", "offload_gib"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+    if args.memory_utilization > 1:
+        parser.error(f"--memory-utilization={args.memory_utilization} must be at most 1")
     if args.scale > 256 or 256 % args.scale:
         parser.error(f"--scale={args.scale} must divide the prompt length 256")
     return args
@@ -118,8 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    tiny = build_tiny_model(tempfile.mkdtemp(), "qwen3", hidden_size=32, num_layers=1, num_heads=2,
-                            num_kv_heads=1, max_position_embeddings=32768)
+    tiny = build_tiny(tempfile.mkdtemp())
     print(f"{'model':<14}{'workload':<16}{'cache tok':>10}{'pool tok':>10}{'seconds':>9}{'tok/s':>8}"
           f"{'offloads':>10}{'recomputes':>12}")
     for model in args.models:

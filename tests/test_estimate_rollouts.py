@@ -17,8 +17,7 @@ SCALE = 64
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return est.build_tiny_model(tmp_path_factory.mktemp("tiny"), "qwen3", hidden_size=32, num_layers=1,
-                                num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
+    return est.build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 def test_recorded_steps_and_their_cost_without_pressure(tiny):
@@ -49,6 +48,8 @@ def test_a_cache_too_small_offloads_recomputes_and_slows_the_rate(tiny):
 
 @pytest.mark.parametrize("argv, message", [
     (["--scale", "3"], "--scale=3 must divide"), (["--bandwidth-gbs", "0"], "--bandwidth-gbs=0.0 must be > 0"),
+    (["--offload-gib", "-1"], "--offload-gib=-1.0 must be >= 0"),
+    (["--memory-utilization", "1.5"], "--memory-utilization=1.5 must be at most 1"),
     (["--workloads", "decode"], "invalid choice: 'decode'")])
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
