@@ -19,6 +19,7 @@ Example: python scripts/estimate_rollouts.py --models qwen3-1.7b llama-3.1-8b --
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +36,6 @@ from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
 ROLLOUTS = [name for name in WORKLOADS if name.startswith("rollouts_")]
-TINY_BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 16 * 4  # build_tiny's: one layer, (k, v), one KV head of 16, float32
 QWEN_WEIGHT_BYTES = 3.44e9  # --prefill-us is given for this shape
 
 
@@ -45,13 +45,19 @@ def build_tiny(path: str | Path) -> Path:
                             max_position_embeddings=32768)
 
 
+def kv_bytes_per_token(config: transformers.PretrainedConfig, itemsize: int) -> int:
+    """KV bytes of one token across every layer of a dense model with `config`."""
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * itemsize
+
+
+@functools.cache
 def shape(model: str) -> tuple[int, int]:
     """(weight bytes, KV bytes per token) of bench_gpu's `model` in bfloat16."""
     config_cls, values = MODELS[model]
     config = getattr(transformers, config_cls)(**values)
     with torch.device("meta"):
         weights = sum(p.numel() * 2 for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    return weights, config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    return weights, kv_bytes_per_token(config, 2)
 
 
 def simulate(tiny: Path, workload: str, cache_tokens: int, pool_tokens: int, scale: int) -> tuple[list, dict]:
@@ -59,8 +65,9 @@ def simulate(tiny: Path, workload: str, cache_tokens: int, pool_tokens: int, sca
     and the engine's counters."""
     w = WORKLOADS[workload]
     pool_blocks = pool_tokens // scale // BLOCK_SIZE
+    bytes_per_block = BLOCK_SIZE * kv_bytes_per_token(transformers.AutoConfig.from_pretrained(tiny), 4)
     engine = Engine(EngineConfig(model=str(tiny), num_blocks=cache_tokens // scale // BLOCK_SIZE,
-                                 cpu_offload_gib=(pool_blocks + 0.5) * TINY_BYTES_PER_BLOCK / 2**30,
+                                 cpu_offload_gib=(pool_blocks + 0.5) * bytes_per_block / 2**30,
                                  max_num_seqs=w.prompts * w.n, max_batch_tokens=w.prompts * w.n + 1024 // scale))
     log, schedule = [], engine.scheduler.schedule
 
@@ -81,7 +88,7 @@ def cost(log: list, weights: int, kv_per_token: int, args: argparse.Namespace) -
     """Seconds of the recorded steps on the card: each scaled step stands for `scale` steps."""
     seconds, scale = 0.0, args.scale
     prefill_s = args.prefill_us * 1e-6 * weights / QWEN_WEIGHT_BYTES
-    for decodes, context, prefill in log:
+    for _, context, prefill in log:
         seconds += scale * (weights + context * scale * kv_per_token) / (args.bandwidth_gbs * 1e9)
         seconds += scale * prefill * prefill_s
     return seconds
