@@ -55,6 +55,13 @@ def simulate_sms(monkeypatch, num_sms: int) -> None:
     monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], num_sms))
 
 
+@functools.cache
+def gib_per_block(model: str, block_size: int) -> float:
+    """GiB of KV one cache block of `model` holds in float32 on the CPU, read from an engine's own cache."""
+    cache = make_engine(model, block_size=block_size, num_blocks=8).runner.kv_cache
+    return cache.numel() * cache.element_size() / 8 / 2**30
+
+
 def make_engine(model: str, **config) -> Engine:
     """An in-process CPU float32 engine with test-sized defaults."""
     defaults = dict(device="cpu", dtype="float32", block_size=16, num_blocks=256, max_batch_tokens=256)

@@ -7,8 +7,8 @@ import pytest
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig
-from tests.conftest import DEVICES, assert_nothing_leaked, make_engine, random_prompts, run
-from tests.test_preemption import BLOCK, GIB_PER_BLOCK
+from tests.conftest import DEVICES, assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
+from tests.test_preemption import BLOCK
 
 STOP = [344, 35, 157]  # tokens the tiny qwen3 often samples: many samples stop on one, at different steps
 
@@ -69,7 +69,7 @@ def test_same_samples_under_memory_pressure(workload, cpu_blocks):
     """With stop tokens a stopped sample holds its blocks one step longer, so preemptions (and the counters)
     may differ, but never the samples; without stop tokens every decision, counter and logprob is the same."""
     path, prompts, params = workload
-    tight = dict(num_blocks=14, cpu_offload_gib=cpu_blocks * GIB_PER_BLOCK)
+    tight = dict(num_blocks=14, cpu_offload_gib=cpu_blocks * gib_per_block(path, BLOCK))
     off, off_stats = generate(path, prompts, params, False, **tight)
     on, on_stats = generate(path, prompts, params, True, **tight)
     assert_same_samples(on, off, abs_tol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import DEVICES, make_engine, random_prompts, run
+from tests.conftest import DEVICES, gib_per_block, make_engine, random_prompts, run
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.block_table import BlockTables
@@ -17,8 +17,6 @@ from workers.engine.preemption import Offloader
 from workers.engine.sequence import Group, Sequence, Status
 
 BLOCK = 8
-BYTES_PER_BLOCK = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * (k, v) * block * kv heads * head dim * fp32
-GIB_PER_BLOCK = BYTES_PER_BLOCK / 2**30
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +51,7 @@ def test_outputs_identical_under_pressure(workload, cpu_blocks, expect, device):
     path, prompts, params, roomy_on = workload
     roomy = roomy_on(device)
     engine = make_engine(path, device=device, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
-                         max_batch_tokens=64, cpu_offload_gib=cpu_blocks * GIB_PER_BLOCK)
+                         max_batch_tokens=64, cpu_offload_gib=cpu_blocks * gib_per_block(path, BLOCK))
     rows = run(engine, prompts, params)
     stats = engine.stats()
     for name in ("offloads", "restores", "recomputes"):
@@ -71,8 +69,9 @@ def test_outputs_identical_under_pressure(workload, cpu_blocks, expect, device):
 def test_everyone_grows_at_once_no_livelock(model_dir):
     prompts = random_prompts(12, 512, (BLOCK, BLOCK), seed=32)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=3 * BLOCK, ignore_eos=True)
-    engine = make_engine(model_dir("qwen3"), block_size=BLOCK, num_blocks=8, max_batch_tokens=128,
-                         cpu_offload_gib=16 * GIB_PER_BLOCK)
+    path = model_dir("qwen3")
+    engine = make_engine(path, block_size=BLOCK, num_blocks=8, max_batch_tokens=128,
+                         cpu_offload_gib=16 * gib_per_block(path, BLOCK))
     rows = run(engine, prompts, params)
     assert len(rows) == 24 and all(len(r["token_ids"]) == 3 * BLOCK for r in rows.values())
     assert engine.stats()["offloads"] > 0
@@ -87,7 +86,7 @@ def test_cpu_pool_is_capped_with_a_warning(model_dir):
 def test_abort_of_offloaded_request_frees_cpu_blocks(workload):
     path, prompts, params, _ = workload
     engine = make_engine(path, block_size=BLOCK, num_blocks=tight_blocks(prompts, params),
-                         max_batch_tokens=64, cpu_offload_gib=4096 * GIB_PER_BLOCK)
+                         max_batch_tokens=64, cpu_offload_gib=4096 * gib_per_block(path, BLOCK))
     ids = [engine.add_request(p, q, prompt_index=i) for i, (p, q) in enumerate(zip(prompts, params))]
     while not engine.scheduler.offloader.offloaded:
         engine.step()

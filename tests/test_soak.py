@@ -17,7 +17,7 @@ import ray
 import torch
 
 import rollout
-from tests.conftest import random_prompts
+from tests.conftest import gib_per_block, random_prompts
 from tests.test_service_hangs import hang_next_step
 from trainer_client import RolloutClient
 
@@ -27,7 +27,6 @@ TARGET_SAMPLES = 2000
 CALLERS = 3
 PROMPTS, N = 6, 4  # per call: 24 samples
 STALL_S = 3.0
-BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model: layers * (k, v) * block * kv heads * head dim * fp32
 
 
 @dataclass
@@ -158,7 +157,7 @@ def check_workers(client: RolloutClient, preempted: Counter) -> None:
 def test_soak(model_dir):
     model = model_dir("qwen3")
     rollout.init(model=model, num_workers=2, flush_rows=4, flush_delay_s=0.02, max_num_seqs=8, num_blocks=24,
-                 block_size=16, max_batch_tokens=64, cpu_offload_gib=4 * BYTES_PER_BLOCK / 2**30,
+                 block_size=16, max_batch_tokens=64, cpu_offload_gib=4 * gib_per_block(model, 16),
                  object_store_memory_gib=0.5, check_integrity=True, worker_stall_timeout_s=STALL_S)
     try:
         client = RolloutClient.connect(name="rollout", namespace="rollout")
