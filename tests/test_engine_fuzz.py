@@ -1,0 +1,116 @@
+"""Random interleavings of requests, aborts, weight updates and prefix-cache resets on a tight KV cache.
+
+Whatever the order and the engine's sizes, block accounting balances after every step, every sample
+ends exactly once, and each one equals its run alone in a roomy engine (tokens, finish reason,
+logprobs to 1e-4); a sample cut short by an abort is a prefix of that run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout import SamplingParams
+from tests.conftest import assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
+from tests.test_async_batching import STOP
+
+BLOCK = 4
+SYSTEM = random_prompts(1, 512, (13, 13), seed=50)[0]
+PROMPTS = [SYSTEM + q for q in random_prompts(4, 512, (1, 9), seed=51)] + random_prompts(2, 512, (2, 30), seed=52)
+PARAMS = [SamplingParams(n=3, temperature=0, max_new_tokens=14, ignore_eos=True),
+          SamplingParams(n=4, temperature=1.0, max_new_tokens=22, seed=3, stop_token_ids=STOP),
+          SamplingParams(n=1, temperature=0.7, top_k=20, max_new_tokens=9, seed=4),
+          SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=30, seed=5, ignore_eos=True)]
+# Every (prompt, params) pair a drawn request may be; the same one twice is two requests with equal samples.
+CANDIDATES = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS)] + [(PROMPTS[0], PARAMS[1])]
+NEEDED = max(-(-(len(p) + q.max_new_tokens) // BLOCK) + q.n for p, q in CANDIDATES)
+
+# One event per drawn tuple: (steps to run before it, what, which request it targets)
+events = st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["add", "add", "add", "abort", "update", "reset"]),
+                            st.integers(0, 100)), min_size=1, max_size=14)
+configs = st.fixed_dictionaries({
+    "num_blocks": st.integers(NEEDED, NEEDED + 24), "cpu_blocks": st.sampled_from([0, 6, 200]),
+    "max_batch_tokens": st.sampled_from([8, 32, 256]), "max_num_seqs": st.sampled_from([4, 8, 64]),
+    "async_batching": st.booleans(), "cuda_graphs": st.sampled_from([None, (False, True)]),
+    "enable_prefix_caching": st.booleans()})
+
+
+@functools.cache
+def alone(path: str, index: int) -> dict[int, dict]:
+    """Rows by sample index of candidate `index`, run alone in a roomy engine."""
+    prompt, params = CANDIDATES[index]
+    rows = run(make_engine(path, block_size=BLOCK, num_blocks=512), [prompt], params)
+    return {sample: row for (_, sample), row in rows.items()}
+
+
+class Driver:
+    """Applies events to one engine, stepping it and collecting every row by request id."""
+
+    def __init__(self, path: str, config: dict) -> None:
+        cpu_gib = config.pop("cpu_blocks") * gib_per_block(path, BLOCK)
+        self.engine = make_engine(path, block_size=BLOCK, check_integrity=True, cpu_offload_gib=cpu_gib, **config)
+        self.weights = {name: t.clone() for name, t in self.engine.state_dict().items()}
+        self.added: list[tuple[str, int, list[int]]] = []  # (request id, candidate index, sample indices)
+        self.rows: dict[str, dict] = {}
+
+    def collect(self, rows: list[dict]) -> None:
+        for row in rows:
+            assert row["request_id"] not in self.rows, f"{row['request_id']} ended twice"
+            self.rows[row["request_id"]] = row
+
+    def step(self) -> None:
+        self.collect(self.engine.step())
+        self.engine.check_integrity()
+
+    def apply(self, what: str, target: int) -> None:
+        engine = self.engine
+        if what == "add":
+            index = target % len(CANDIDATES)
+            prompt, params = CANDIDATES[index]
+            samples = list(range(params.n))[target % 2::1 + target % 2]  # all, or the odd ones (a retry's subset)
+            rid = engine.add_request(prompt, params, prompt_index=len(self.added), sample_indices=samples or None)
+            self.added.append((rid, index, samples or list(range(params.n))))
+        elif what == "abort" and self.added:
+            self.collect(engine.abort(self.added[target % len(self.added)][0]))
+        elif what == "update":
+            mode = ("continue", "abort", "finish")[target % 3]
+            self.collect(engine.update_weights(self.weights, engine.policy_version + 1, mode))
+        elif what == "reset" and not engine.in_flight:
+            engine.reset_prefix_cache()
+        engine.check_integrity()
+
+
+def check_rows(path: str, driver: Driver) -> None:
+    """Every sample of every added request ended once: as its solo run, or as a prefix of it when aborted."""
+    assert driver.rows.keys() == {f"{rid}/{s}" for rid, _, samples in driver.added for s in samples}
+    for rid, index, samples in driver.added:
+        for sample in samples:
+            want, row = alone(path, index)[sample], driver.rows[f"{rid}/{sample}"]
+            n = len(row["token_ids"])
+            assert row["token_ids"] == want["token_ids"][:n], f"{rid}/{sample} of candidate {index}"
+            assert row["logprobs"] == pytest.approx(want["logprobs"][:n], abs=1e-4)
+            if row["finish_reason"] != "abort":
+                assert (n, row["finish_reason"]) == (len(want["token_ids"]), want["finish_reason"])
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, schedule=events)
+def test_random_interleavings_equal_solo_runs(model_dir, config, schedule):
+    path = model_dir("qwen3")
+    driver = Driver(path, dict(config))
+    for steps, what, target in schedule:
+        for _ in range(steps):
+            if driver.engine.has_unfinished():
+                driver.step()
+        driver.apply(what, target)
+    while driver.engine.has_unfinished():
+        driver.step()
+    assert_nothing_leaked(driver.engine)
+    assert driver.engine.stats()["cpu_blocks_used"] == 0
+    check_rows(path, driver)
+    torch.testing.assert_close(driver.engine.state_dict(), driver.weights, rtol=0, atol=0)
