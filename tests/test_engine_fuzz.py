@@ -79,7 +79,7 @@ class Driver:
         elif what == "update":
             mode = ("continue", "abort", "finish")[target % 3]
             self.collect(engine.update_weights(self.weights, engine.policy_version + 1, mode))
-        elif what == "reset" and not engine.in_flight:
+        elif what == "reset":
             engine.reset_prefix_cache()
         engine.check_integrity()
 
