@@ -1,8 +1,11 @@
 """Random interleavings of requests, aborts, weight updates and prefix-cache resets on a tight KV cache.
 
-Whatever the order and the engine's sizes, block accounting balances after every step, every sample
-ends exactly once, and each one equals its run alone in a roomy engine (tokens, finish reason,
-logprobs to 1e-4); a sample cut short by an abort is a prefix of that run.
+Updates alternate between two policies (random models of two seeds). Whatever the order and the
+engine's sizes, block accounting balances after every step, every sample ends exactly once, and each
+one equals its run alone in a roomy engine under the policy of its first token (tokens, finish reason,
+logprobs to 1e-4). A sample cut short by an abort equals a prefix of that run; one that an update in
+mode "continue" switched to the other policy (its prompt's KV or its tokens computed partly under each)
+equals it up to the switch.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from tests.test_async_batching import STOP
 BLOCK = 4
 SYSTEM = random_prompts(1, 512, (13, 13), seed=50)[0]
 PROMPTS = [SYSTEM + q for q in random_prompts(4, 512, (1, 9), seed=51)] + random_prompts(2, 512, (2, 30), seed=52)
-PARAMS = [SamplingParams(n=3, temperature=0, max_new_tokens=14, ignore_eos=True),
-          SamplingParams(n=4, temperature=1.0, max_new_tokens=22, seed=3, stop_token_ids=STOP),
-          SamplingParams(n=1, temperature=0.7, top_k=20, max_new_tokens=9, seed=4),
-          SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=30, seed=5, ignore_eos=True)]
+PARAMS = [SamplingParams(n=3, temperature=0, max_new_tokens=14, ignore_eos=True, return_token_versions=True),
+          SamplingParams(n=4, temperature=1.0, max_new_tokens=22, seed=3, stop_token_ids=STOP,
+                         return_token_versions=True),
+          SamplingParams(n=1, temperature=0.7, top_k=20, max_new_tokens=9, seed=4, return_token_versions=True),
+          SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=30, seed=5, ignore_eos=True,
+                         return_token_versions=True, logprobs_mode="raw")]
+# Raw logprobs under top-p: a token whose cumulative probability lies within float rounding of top_p is
+# kept in one batch shape and dropped in another, which moves processed logprobs by its mass (seen: 1e-3).
 # Every (prompt, params) pair a drawn request may be; the same one twice is two requests with equal samples.
 CANDIDATES = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS)] + [(PROMPTS[0], PARAMS[1])]
 NEEDED = max(-(-(len(p) + q.max_new_tokens) // BLOCK) + q.n for p, q in CANDIDATES)
@@ -47,14 +54,23 @@ def alone(path: str, index: int) -> dict[int, dict]:
     return {sample: row for (_, sample), row in rows.items()}
 
 
-class Driver:
-    """Applies events to one engine, stepping it and collecting every row by request id."""
+@functools.cache
+def weights(path: str) -> dict[str, torch.Tensor]:
+    """The state dict of the model at `path`, as the engine holds it."""
+    return {name: t.clone() for name, t in make_engine(path, num_blocks=8).state_dict().items()}
 
-    def __init__(self, path: str, config: dict) -> None:
-        cpu_gib = config.pop("cpu_blocks") * gib_per_block(path, BLOCK)
-        self.engine = make_engine(path, block_size=BLOCK, check_integrity=True, cpu_offload_gib=cpu_gib, **config)
-        self.weights = {name: t.clone() for name, t in self.engine.state_dict().items()}
+
+class Driver:
+    """Applies events to one engine, stepping it and collecting every row by request id. Policy version
+    v is the model at `paths[v % 2]`."""
+
+    def __init__(self, paths: tuple[str, str], config: dict) -> None:
+        cpu_gib = config.pop("cpu_blocks") * gib_per_block(paths[0], BLOCK)
+        self.engine = make_engine(paths[0], block_size=BLOCK, check_integrity=True, cpu_offload_gib=cpu_gib,
+                                  **config)
+        self.policies = [weights(path) for path in paths]
         self.added: list[tuple[str, int, list[int]]] = []  # (request id, candidate index, sample indices)
+        self.switched: dict[str, int] = {}  # request id -> the first version it continued under, once started
         self.rows: dict[str, dict] = {}
 
     def collect(self, rows: list[dict]) -> None:
@@ -78,23 +94,33 @@ class Driver:
             self.collect(engine.abort(self.added[target % len(self.added)][0]))
         elif what == "update":
             mode = ("continue", "abort", "finish")[target % 3]
-            self.collect(engine.update_weights(self.weights, engine.policy_version + 1, mode))
+            version = engine.policy_version + 1
+            if mode == "continue":
+                for seq in engine.scheduler.sequences():
+                    if seq.started:
+                        self.switched.setdefault(seq.group.request_id, version)
+            self.collect(engine.update_weights(self.policies[version % 2], version, mode))
         elif what == "reset":
             engine.reset_prefix_cache()
         engine.check_integrity()
 
 
-def check_rows(path: str, driver: Driver) -> None:
-    """Every sample of every added request ended once: as its solo run, or as a prefix of it when aborted."""
+def check_rows(paths: tuple[str, str], driver: Driver) -> None:
+    """Every sample of every added request ended once, equal to its solo run under its first policy up to
+    a switch; and whole, finish reason included, unless aborted or switched."""
     assert driver.rows.keys() == {f"{rid}/{s}" for rid, _, samples in driver.added for s in samples}
     for rid, index, samples in driver.added:
+        switch = driver.switched.get(rid)
         for sample in samples:
-            want, row = alone(path, index)[sample], driver.rows[f"{rid}/{sample}"]
-            n = len(row["token_ids"])
-            assert row["token_ids"] == want["token_ids"][:n], f"{rid}/{sample} of candidate {index}"
-            assert row["logprobs"] == pytest.approx(want["logprobs"][:n], abs=1e-4)
-            if row["finish_reason"] != "abort":
-                assert (n, row["finish_reason"]) == (len(want["token_ids"]), want["finish_reason"])
+            row = driver.rows[f"{rid}/{sample}"]
+            first, versions = row["first_policy_version"], row["token_policy_versions"]
+            want = alone(paths[first % 2], index)[sample]
+            n = len(versions) if switch is None else sum(v < switch for v in versions)
+            assert versions[:n] == [first] * n and versions == sorted(versions), f"{rid}/{sample}: {versions}"
+            assert row["token_ids"][:n] == want["token_ids"][:n], f"{rid}/{sample} of candidate {index}"
+            assert row["logprobs"][:n] == pytest.approx(want["logprobs"][:n], abs=1e-4)
+            if row["finish_reason"] != "abort" and switch is None:
+                assert (row["token_ids"], row["finish_reason"]) == (want["token_ids"], want["finish_reason"])
 
 
 @pytest.mark.timeout(300)
@@ -102,8 +128,8 @@ def check_rows(path: str, driver: Driver) -> None:
 @given(arch=st.sampled_from(["qwen3", "mistral", "gemma2"]), config=configs, schedule=events)
 def test_random_interleavings_equal_solo_runs(model_dir, arch, config, schedule):
     """Also on sliding-window models (windows of 24 and 16 tokens; gemma2 with its logit softcap)."""
-    path = model_dir(arch)
-    driver = Driver(path, dict(config))
+    paths = (model_dir(arch), model_dir(arch, seed=1))
+    driver = Driver(paths, dict(config))
     for steps, what, target in schedule:
         for _ in range(steps):
             if driver.engine.has_unfinished():
@@ -113,5 +139,6 @@ def test_random_interleavings_equal_solo_runs(model_dir, arch, config, schedule)
         driver.step()
     assert_nothing_leaked(driver.engine)
     assert driver.engine.stats()["cpu_blocks_used"] == 0
-    check_rows(path, driver)
-    torch.testing.assert_close(driver.engine.state_dict(), driver.weights, rtol=0, atol=0)
+    check_rows(paths, driver)
+    want = driver.policies[driver.engine.policy_version % 2]
+    torch.testing.assert_close(driver.engine.state_dict(), want, rtol=0, atol=0)
