@@ -11,6 +11,7 @@ equals it up to the switch.
 from __future__ import annotations
 
 import functools
+from typing import Mapping
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from rollout import SamplingParams
 from tests.conftest import assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
 from tests.test_async_batching import STOP
+from workers.engine.weights import load_source
 
 BLOCK = 4
 SYSTEM = random_prompts(1, 512, (13, 13), seed=50)[0]
@@ -55,9 +57,10 @@ def alone(path: str, index: int) -> dict[int, dict]:
 
 
 @functools.cache
-def weights(path: str) -> dict[str, torch.Tensor]:
-    """The state dict of the model at `path`, as the engine holds it."""
-    return {name: t.clone() for name, t in make_engine(path, num_blocks=8).state_dict().items()}
+def weights(path: str) -> Mapping[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path`: the engine's whole state dict (the tiny models are float32,
+    their embeddings untied)."""
+    return load_source(path)
 
 
 class Driver:
