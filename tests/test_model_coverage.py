@@ -17,6 +17,7 @@ from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine, model_support
 from workers.engine.longrope import uses_longrope
+from workers.weight_format import checkpoint_tensors, meta_state
 
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
             "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
@@ -44,13 +45,13 @@ MAX_NEW = 10
 
 @pytest.fixture(scope="module")
 def zoo_dir(tmp_path_factory):
-    """`zoo_dir(name)` -> directory of the tiny random model of zoo entry `name`, built once."""
+    """`zoo_dir(name, seed=0)` -> directory of the tiny random model of zoo entry `name`, built once."""
     built = {}
 
-    def get(name: str) -> str:
-        if name not in built:
-            built[name] = build_zoo_model(name, tmp_path_factory.mktemp(name))
-        return built[name]
+    def get(name: str, seed: int = 0) -> str:
+        if (name, seed) not in built:
+            built[name, seed] = build_zoo_model(name, tmp_path_factory.mktemp(name), seed)
+        return built[name, seed]
 
     return get
 
@@ -84,6 +85,22 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_accepted_model_is_exact(zoo_dir, name):
     assert_exact(zoo_dir(name))
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_update_from_a_checkpoint_directory_loads_what_transformers_loads(zoo_dir, name):
+    """A checkpoint keeps its family's original layout (GPT-NeoX's `embed_out`, one tensor per MoE expert,
+    Gemma 3's `language_model.` prefix), which transformers converts on load: an update from the directory
+    gives the engine, bit for bit, the weights an engine built from it holds; the service's check of the
+    directory's tensor headers accepts it too."""
+    old, new = zoo_dir(name), zoo_dir(name, seed=1)
+    engine = make_engine(old)
+    engine.validate_weights(meta_state(checkpoint_tensors(new)))
+    engine.update_weights(new, version=1)
+    want = make_engine(new).state_dict()
+    assert engine.state_dict().keys() == want.keys()
+    for key, value in engine.state_dict().items():
+        assert torch.equal(value, want[key]), key
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
 from pathlib import Path
 from typing import Mapping
 
 import torch
 from safetensors.torch import load_file
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
 
@@ -25,9 +28,38 @@ def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
     return state
 
 
+def to_model_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state` with the names and layout of the model's own state dict. Checkpoints keep a family's original
+    layout, which transformers converts when it loads them (GPT-NeoX's `embed_out` is `lm_head`, MoE experts
+    are fused into one tensor per layer); the same conversions apply here. Names the model has stay as given."""
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
+    targets = model.state_dict()
+    if not conversions or all(name in targets for name in state):
+        return state
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, WeightConverter] = {}
+    for name, tensor in sorted(state.items(), key=lambda item: dot_natural_key(item[0])):
+        tensor = torch.as_tensor(tensor)
+        new, pattern = (name, None) if name in targets else rename_source_key(
+            name, renamings, converters, getattr(model, "base_model_prefix", None), targets)
+        if pattern is None:
+            out[new if new in targets else name] = tensor
+        else:
+            pending.setdefault(new, deepcopy(by_pattern[pattern])).add_tensor(new, name, pattern, tensor)
+    for first, converter in pending.items():
+        for new, value in converter.convert(first, model=model, config=model.config).items():
+            out[new] = value[0] if isinstance(value, list) else value
+    return out
+
+
 def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination, source) pairs for every entry of the model's state dict; ValueError listing
-    every missing or unexpected name and every shape or dtype mismatch, before anything is copied."""
+    """(destination, source) pairs for every entry of the model's state dict, the source given in the model's
+    names or its checkpoint's; ValueError listing every missing or unexpected name and every shape or dtype
+    mismatch, before anything is copied."""
+    state = to_model_names(model, state)
     targets = model.state_dict()
     given = {_storage(dst) for name, dst in targets.items() if name in state}
     problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
