@@ -17,6 +17,7 @@ from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine, model_support
 from workers.engine.longrope import uses_longrope
+from workers.engine.weights import load_source
 from workers.weight_format import checkpoint_tensors, meta_state
 
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
@@ -101,6 +102,23 @@ def test_update_from_a_checkpoint_directory_loads_what_transformers_loads(zoo_di
     assert engine.state_dict().keys() == want.keys()
     for key, value in engine.state_dict().items():
         assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_checkpoint_layout_that_does_not_convert_is_refused_and_nothing_changes(zoo_dir, name):
+    """One expert missing, or of another shape, in a checkpoint-layout update: a ValueError naming the layer,
+    before anything is copied."""
+    engine = make_engine(zoo_dir(name))
+    before = {key: value.clone() for key, value in engine.state_dict().items()}
+    state = dict(load_source(zoo_dir(name, seed=1)))
+    expert = next(key for key in state if ".experts.1." in key)
+    layer = "model.layers." + expert.split(".")[2] + ".mlp.experts."
+    shrunk = {**state, expert: state[expert][:, :-1]}
+    for bad in [{key: value for key, value in state.items() if key != expert}, shrunk]:
+        with pytest.raises(ValueError, match=f"weights refused, nothing was changed: .*'{layer}"):
+            engine.update_weights(bad, version=1)
+    assert engine.policy_version == 0
+    torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

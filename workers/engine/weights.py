@@ -50,9 +50,20 @@ def to_model_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) ->
         else:
             pending.setdefault(new, deepcopy(by_pattern[pattern])).add_tensor(new, name, pattern, tensor)
     for first, converter in pending.items():
-        for new, value in converter.convert(first, model=model, config=model.config).items():
-            out[new] = value[0] if isinstance(value, list) else value
+        out.update(_convert(model, first, converter))
     return out
+
+
+def _convert(model: torch.nn.Module, first: str, converter: WeightConverter) -> dict[str, torch.Tensor]:
+    """The tensors `converter` makes of what it collected; ValueError when they do not fit together (an
+    expert missing or of another shape)."""
+    sources = sorted(converter.collected_tensors)
+    try:
+        made = converter.convert(first, model=model, config=model.config)
+    except (RuntimeError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(f"weights refused, nothing was changed: cannot convert {sources} into {first!r} "
+                         f"as transformers does on load: {err}") from err
+    return {name: value[0] if isinstance(value, list) else value for name, value in made.items()}
 
 
 def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
