@@ -16,6 +16,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout import SamplingParams  # noqa: E402
+from tests.model_zoo import build_zoo_model  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
@@ -34,6 +35,18 @@ ARCH_OVERRIDES = {
     "gemma2": {"sliding_window": 16, "attn_logit_softcapping": 2.0, "final_logit_softcapping": None,
                "query_pre_attn_scalar": 24},
 }
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory):
+    """`zoo_dir(name, seed=0)` -> directory of the tiny random model of `tests.model_zoo` entry `name`,
+    built once per session."""
+
+    @functools.cache
+    def build(name: str, seed: int = 0) -> str:
+        return build_zoo_model(name, tmp_path_factory.mktemp(name), seed)
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,6 @@ from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine, model_support
 from workers.engine.longrope import uses_longrope
-from workers.engine.weights import load_source
-from workers.weight_format import checkpoint_tensors, meta_state
 
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
             "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
@@ -42,19 +40,6 @@ MOE = [name for name in ACCEPTED if any("experts" in key for key in ZOO[name][1]
 # start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
 PROMPT_LENGTHS = [3, 26, 40, 5, 37]
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def zoo_dir(tmp_path_factory):
-    """`zoo_dir(name, seed=0)` -> directory of the tiny random model of zoo entry `name`, built once."""
-    built = {}
-
-    def get(name: str, seed: int = 0) -> str:
-        if (name, seed) not in built:
-            built[name, seed] = build_zoo_model(name, tmp_path_factory.mktemp(name), seed)
-        return built[name, seed]
-
-    return get
 
 
 def prompts_of(lengths: list[int]) -> list[list[int]]:
@@ -86,39 +71,6 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_accepted_model_is_exact(zoo_dir, name):
     assert_exact(zoo_dir(name))
-
-
-@pytest.mark.parametrize("name", ACCEPTED)
-def test_update_from_a_checkpoint_directory_loads_what_transformers_loads(zoo_dir, name):
-    """A checkpoint keeps its family's original layout (GPT-NeoX's `embed_out`, one tensor per MoE expert,
-    Gemma 3's `language_model.` prefix), which transformers converts on load: an update from the directory
-    gives the engine, bit for bit, the weights an engine built from it holds; the service's check of the
-    directory's tensor headers accepts it too."""
-    old, new = zoo_dir(name), zoo_dir(name, seed=1)
-    engine = make_engine(old)
-    engine.validate_weights(meta_state(checkpoint_tensors(new)))
-    engine.update_weights(new, version=1)
-    want = make_engine(new).state_dict()
-    assert engine.state_dict().keys() == want.keys()
-    for key, value in engine.state_dict().items():
-        assert torch.equal(value, want[key]), key
-
-
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_a_checkpoint_layout_that_does_not_convert_is_refused_and_nothing_changes(zoo_dir, name):
-    """One expert missing, or of another shape, in a checkpoint-layout update: a ValueError naming the layer,
-    before anything is copied."""
-    engine = make_engine(zoo_dir(name))
-    before = {key: value.clone() for key, value in engine.state_dict().items()}
-    state = dict(load_source(zoo_dir(name, seed=1)))
-    expert = next(key for key in state if ".experts.1." in key)
-    layer = "model.layers." + expert.split(".")[2] + ".mlp.experts."
-    shrunk = {**state, expert: state[expert][:, :-1]}
-    for bad in [{key: value for key, value in state.items() if key != expert}, shrunk]:
-        with pytest.raises(ValueError, match=f"weights refused, nothing was changed: .*'{layer}"):
-            engine.update_weights(bad, version=1)
-    assert engine.policy_version == 0
-    torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

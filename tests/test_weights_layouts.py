@@ -1,0 +1,45 @@
+"""Weight updates in a checkpoint's own layout, for every accepted family: the names and tensors that
+`save_pretrained` writes, which transformers converts when it loads them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_engine
+from tests.test_model_coverage import ACCEPTED
+from workers.engine.weights import load_source
+from workers.weight_format import checkpoint_tensors, meta_state
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_update_from_a_checkpoint_directory_loads_what_transformers_loads(zoo_dir, name):
+    """A checkpoint keeps its family's original layout (GPT-NeoX's `embed_out`, one tensor per MoE expert,
+    Gemma 3's `language_model.` prefix), which transformers converts on load: an update from the directory
+    gives the engine, bit for bit, the weights an engine built from it holds; the service's check of the
+    directory's tensor headers accepts it too."""
+    old, new = zoo_dir(name), zoo_dir(name, seed=1)
+    engine = make_engine(old)
+    engine.validate_weights(meta_state(checkpoint_tensors(new)))
+    engine.update_weights(new, version=1)
+    want = make_engine(new).state_dict()
+    assert engine.state_dict().keys() == want.keys()
+    for key, value in engine.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_checkpoint_layout_that_does_not_convert_is_refused_and_nothing_changes(zoo_dir, name):
+    """One expert missing, or of another shape, in a checkpoint-layout update: a ValueError naming the layer,
+    before anything is copied."""
+    engine = make_engine(zoo_dir(name))
+    before = {key: value.clone() for key, value in engine.state_dict().items()}
+    state = dict(load_source(zoo_dir(name, seed=1)))
+    expert = next(key for key in state if ".experts.1." in key)
+    layer = "model.layers." + expert.split(".")[2] + ".mlp.experts."
+    shrunk = {**state, expert: state[expert][:, :-1]}
+    for bad in [{key: value for key, value in state.items() if key != expert}, shrunk]:
+        with pytest.raises(ValueError, match=f"weights refused, nothing was changed: .*'{layer}"):
+            engine.update_weights(bad, version=1)
+    assert engine.policy_version == 0
+    torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)
