@@ -28,13 +28,16 @@ def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
     return state
 
 
-def to_model_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """`state` with the names and layout of the model's own state dict. Checkpoints keep a family's original
-    layout, which transformers converts when it loads them (GPT-NeoX's `embed_out` is `lm_head`, MoE experts
-    are fused into one tensor per layer); the same conversions apply here. Names the model has stay as given."""
+def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
+                   state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state` with the names and layout of the model's own state dict `targets`. Checkpoints keep a family's
+    original layout, which transformers converts when it loads them (GPT-NeoX's `embed_out` is `lm_head`, MoE
+    experts are fused into one tensor per layer); the same conversions apply here. Names the model has stay
+    as given."""
+    if all(name in targets for name in state):
+        return state
     conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
-    targets = model.state_dict()
-    if not conversions or all(name in targets for name in state):
+    if not conversions:
         return state
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
@@ -70,8 +73,8 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> 
     """(destination, source) pairs for every entry of the model's state dict, the source given in the model's
     names or its checkpoint's; ValueError listing every missing or unexpected name and every shape or dtype
     mismatch, before anything is copied."""
-    state = to_model_names(model, state)
     targets = model.state_dict()
+    state = to_model_names(model, targets, state)
     given = {_storage(dst) for name, dst in targets.items() if name in state}
     problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
     problems += [f"unexpected {name!r}" for name in state if name not in targets]
