@@ -8,7 +8,7 @@ import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
-from tests.conftest import assert_nothing_leaked, make_engine, random_prompts, run
+from tests.conftest import assert_nothing_leaked, hf_greedy, make_engine, random_prompts, run
 from workers.engine import Engine
 
 
@@ -144,6 +144,21 @@ def test_prompts_as_arrays_and_all_checked_before_any_is_queued(qwen3):
         engine.generate([[1, 2, 3], list(range(5, 75))], GREEDY)
     assert not engine.has_unfinished(), "the first prompt was not queued"
 
+
+
+def test_string_prompts_get_the_tokenizers_bos_once(model_dir):
+    """A string is encoded as `tokenizer(text)` encodes it, BOS included; a text that already begins with the
+    BOS (a chat template rendered to text) gets no second one. The greedy completion equals `generate`'s."""
+    path = model_dir("llama", bos=True)
+    engine = make_engine(path)
+    plain = "Two plus two equals"
+    ids = engine.tokenize([plain, engine.tokenizer.bos_token + plain])
+    bos = engine.tokenizer.bos_token_id
+    assert ids[0] == engine.tokenizer(plain)["input_ids"] and ids[0][0] == bos and ids[0].count(bos) == 1
+    assert ids[1] == ids[0]
+    table = engine.generate([plain], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert table["prompt_token_ids"][0].as_py() == ids[0]
+    assert table["token_ids"][0].as_py() == hf_greedy(path, ids[0], 8)
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n=0), "n=0"), (dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),

@@ -22,6 +22,7 @@ from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
+from workers.engine.tokenizer import encode_prompt, load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]
@@ -37,7 +38,7 @@ class Engine:
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
-        self.tokenizer = _load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
@@ -61,7 +62,7 @@ class Engine:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise ValueError(f"prompt {i} is a string but model {self.config.model!r} has no tokenizer")
-                prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                prompt = encode_prompt(self.tokenizer, prompt)
             out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
         if params is not None:
             check_params(params)
@@ -291,11 +292,3 @@ def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
         eos = model.config.eos_token_id
     return frozenset([eos] if isinstance(eos, int) else eos or [])
 
-
-def _load_tokenizer(config: EngineConfig):
-    """The model's tokenizer, or None when it has none, it needs a package that is not installed or
-    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused."""
-    try:
-        return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError, TypeError, ImportError):
-        return None
