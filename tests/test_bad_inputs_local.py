@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rollout import SamplingParams
 from rollout.cli import main
 from rollout.config import ATTENTION_BACKENDS, DTYPES, PLACEMENT_STRATEGIES, EngineConfig, load_service_config
-from tests.bad_inputs import BAD_PROMPTS, ids, refused, report
+from tests.bad_inputs import BAD_PROMPTS, VOCAB, ids, refused, report
 from tests.conftest import make_engine
 
 CHECKS = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
@@ -101,6 +101,8 @@ def test_bad_prompts_are_refused_by_the_engine(engine, data, kind):
      "sample indices not a list"),
     (lambda e: e.generate([[5, 6]], SamplingParams(n=300)), "300 samples of one prompt exceed max_num_seqs=256",
      "more samples than max_num_seqs"),
+    (lambda e: e.add_request([5, 6], SamplingParams(stop_token_ids=[7, VOCAB])),
+     f"stop_token_ids has {VOCAB}, outside the vocabulary [0, {VOCAB})", "stop token beyond the vocabulary"),
 ])
 def test_bad_requests_are_refused_by_the_engine(engine, call, names, kind):
     before = engine.stats()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import rollout
 from rollout.params import LOGPROBS_MODES, SamplingParams
-from tests.bad_inputs import BAD_PROMPTS, ids, refused, report
+from tests.bad_inputs import BAD_PROMPTS, VOCAB, ids, refused, report
 from tests.conftest import make_engine
 from tests.model_zoo import build_zoo_model
 from trainer_client import RolloutClient
@@ -127,6 +127,8 @@ def test_bad_sampling_arguments_are_refused_naming_the_field(service, data, kind
     (dict(n=1, max_new_tokens=100), [5] * 600,
      re.compile(rf"prompt 1 \(600 tokens\).* the cache has {BLOCKS} \(num_blocks={BLOCKS}\)"),
      "request beyond the KV cache"),
+    (dict(stop_token_ids=[VOCAB + 3]), [5, 6], f"stop_token_ids has {VOCAB + 3}, outside the vocabulary [0, {VOCAB})",
+     "stop token beyond the vocabulary"),
 ])
 def test_requests_the_engine_could_never_hold_are_refused(service, sampling, prompt, names, kind):
     client, _ = service

@@ -65,7 +65,7 @@ class Engine:
                 prompt = encode_prompt(self.tokenizer, prompt)
             out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
         if params is not None:
-            check_params(params)
+            check_params(params, self.vocab_size)
             for i, ids in enumerate(out):
                 check_fits(self.config, self.pool.num_blocks, self.max_model_len, i, len(ids), params, params.n)
         return out
@@ -74,7 +74,7 @@ class Engine:
                     request_id: str | None = None, prompt_index: int = 0,
                     sample_indices: list[int] | None = None) -> str:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
-        check_params(params)
+        check_params(params, self.vocab_size)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
         check_fits(self.config, self.pool.num_blocks, self.max_model_len, prompt_index, len(ids), params,
