@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
-from tests.conftest import assert_nothing_leaked, hf_greedy, make_engine, random_prompts, run
+from tests.conftest import assert_nothing_leaked, hf_greedy, hf_model, make_engine, random_prompts, run
 from workers.engine import Engine
 
 
@@ -87,6 +90,20 @@ def test_eos_stops_unless_ignored(qwen3):
         else:
             assert rows[(i, 0)]["token_ids"] == tokens
 
+
+
+def test_every_eos_of_the_generation_config_stops(qwen3, tmp_path):
+    """A generation config with several eos ids (as Llama 3 Instruct's) stops on whichever comes first, as
+    `generate` does."""
+    prompt = random_prompts(1, 512, (6, 6), seed=16)[0]
+    free = run(make_engine(qwen3), [prompt], GREEDY)[(0, 0)]["token_ids"]
+    path = shutil.copytree(qwen3, tmp_path / "model")
+    config = transformers.GenerationConfig.from_pretrained(path)
+    config.eos_token_id = [free[5], free[2]]
+    config.save_pretrained(path)
+    row = run(make_engine(str(path)), [prompt], SamplingParams(temperature=0, max_new_tokens=12))[(0, 0)]
+    want = hf_model(str(path)).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 6:]
+    assert row["finish_reason"] == "stop" and row["token_ids"] == free[:3] == want.tolist()
 
 def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
     engine = make_engine(qwen3)
