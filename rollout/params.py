@@ -21,7 +21,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How to sample the completions of one prompt; validated on construction.
 
     `temperature=0` (or below 1e-5) means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
-    fresh seed per request; a fixed seed makes each sample independent of what shares its batch.
+    fresh seed per request; a fixed seed makes each sample independent of what shares its batch (a prompt
+    given twice in one call still gets different samples: see `prompt_repeats`).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     """
 
@@ -62,6 +63,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ValueError; numpy and torch scalars count as the Python numbers they hold."""
         plain = {k: v.item() if getattr(v, "ndim", None) == 0 else v for k, v in kwargs.items()}
         return msgspec.convert(plain, cls, strict=True)
+
+
+def prompt_repeats(prompts: list[list[int]]) -> list[int]:
+    """Which copy of an identical earlier prompt each prompt of a call is (0 for the first). A seeded sample's
+    noise depends on its prompt's tokens and this, so the copies of a prompt given k times in one call draw
+    the samples of one prompt with k * n, never the same ones."""
+    seen: dict[tuple[int, ...], int] = {}
+    repeats = []
+    for ids in prompts:
+        key = tuple(ids)
+        repeats.append(seen.get(key, 0))
+        seen[key] = repeats[-1] + 1
+    return repeats
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:

@@ -14,7 +14,7 @@ from ray import ObjectRefGenerator
 from ray.actor import ActorHandle
 from ray.exceptions import ObjectLostError, RayActorError
 
-from rollout.params import SamplingParams
+from rollout.params import SamplingParams, prompt_repeats
 from rollout.pool import WorkerPool
 from workers.messages import PromptGroup
 
@@ -54,6 +54,7 @@ class SampleCall:
         self.pool, self.prompts, self.params, self.num_blocks = pool, prompts, params, num_blocks
         self.call_id = uuid.uuid4().hex[:16]
         self.missing = {i: set(range(params.n)) for i in range(len(prompts))}
+        self.repeats = prompt_repeats(prompts)
         self.streams: list[_Stream] = []
         self.events: asyncio.Queue = asyncio.Queue()
         self._serial = itertools.count()
@@ -102,7 +103,7 @@ class SampleCall:
     async def _open(self, worker: int, prompts: list[int]) -> list[int]:
         """Open one worker's stream for `prompts` and wait for its acknowledgement; returns the prompts
         to route again if the worker is lost (a rejected request raises instead)."""
-        groups = [PromptGroup(i, self.prompts[i], sorted(self.missing[i])) for i in prompts]
+        groups = [PromptGroup(i, self.prompts[i], sorted(self.missing[i]), self.repeats[i]) for i in prompts]
         handle = self.pool.workers[worker]
         generator = handle.generate.remote(f"{self.call_id}.{next(self._serial)}", groups, self.params)
         stream = _Stream(worker, handle, prompts, sum(len(g.sample_indices) for g in groups), generator)

@@ -101,6 +101,7 @@ def test_bad_prompts_are_refused_by_the_engine(engine, data, kind):
      "sample indices not a list"),
     (lambda e: e.generate([[5, 6]], SamplingParams(n=300)), "300 samples of one prompt exceed max_num_seqs=256",
      "more samples than max_num_seqs"),
+    (lambda e: e.add_request([5, 6], SamplingParams(n=2), repeat=-1), "repeat=-1", "negative repeat"),
     (lambda e: e.add_request([5, 6], SamplingParams(stop_token_ids=[7, VOCAB])),
      f"stop_token_ids has {VOCAB}, outside the vocabulary [0, {VOCAB})", "stop token beyond the vocabulary"),
 ])

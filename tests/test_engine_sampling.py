@@ -94,6 +94,19 @@ def test_unseeded_requests_differ(qwen3):
     assert a[(0, 0)]["token_ids"] != b[(0, 0)]["token_ids"]
 
 
+def test_copies_of_a_prompt_in_one_seeded_call_draw_different_samples(qwen3):
+    """A prompt given twice with n = 2 and a seed gets the 4 samples of that prompt with n = 4, not the same 2
+    twice (a GRPO group of identical samples has no signal); a prompt given once keeps its samples."""
+    prompt, other = random_prompts(2, 512, (12, 12), seed=7)
+    params = dict(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=99)
+    table = make_engine(qwen3).generate([prompt, other, prompt], SamplingParams(n=2, **params))
+    tokens = table["token_ids"].to_pylist()
+    wide = make_engine(qwen3).generate([prompt], SamplingParams(n=4, **params))["token_ids"].to_pylist()
+    assert tokens[:2] + tokens[4:] == wide and len({tuple(t) for t in wide}) == 4
+    alone = make_engine(qwen3).generate([other], SamplingParams(n=2, **params))
+    assert tokens[2:4] == alone["token_ids"].to_pylist()
+
+
 @pytest.mark.parametrize("params", [
     dict(temperature=1.0),
     dict(temperature=0.7, top_k=12),

@@ -95,6 +95,17 @@ def test_greedy_rows_equal_one_in_process_engine(service):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_seeded_rows_equal_one_in_process_engine_with_copies_of_a_prompt(service):
+    """Copies of a prompt in one seeded call get different samples, the ones an in-process engine gives,
+    wherever the service routes them."""
+    a, b, c = random_prompts(3, 512, (5, 20), seed=8)
+    prompts = [a, b, a, c, a]
+    params = dict(n=2, temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=5)
+    served = rollout.sample(prompts, **params).to_table().column("token_ids").to_pylist()
+    assert served == make_engine(service).generate(prompts, SamplingParams(**params))["token_ids"].to_pylist()
+    assert len({tuple(served[2 * i + s]) for i in (0, 2, 4) for s in (0, 1)}) == 6
+
+
 def test_first_batch_arrives_before_the_last_sample_finishes(service, client):
     stream = rollout.sample(random_prompts(8, 512, (4, 12), seed=3), n=4, max_new_tokens=64, ignore_eos=True)
     batches = iter(stream)

@@ -82,7 +82,7 @@ class EngineLoop:
             for group in groups:
                 added.append(self.engine.add_request(
                     group.token_ids, params, request_id=f"{call_id}:{group.prompt_index}",
-                    prompt_index=group.prompt_index, sample_indices=group.sample_indices))
+                    prompt_index=group.prompt_index, sample_indices=group.sample_indices, repeat=group.repeat))
         except Exception:
             for request_id in added:
                 self.engine.abort(request_id)

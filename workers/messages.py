@@ -15,6 +15,7 @@ class PromptGroup(msgspec.Struct, frozen=True):
     prompt_index: int
     token_ids: list[int]
     sample_indices: list[int]
+    repeat: int = 0  # which copy of an identical prompt of the call (rollout.params.prompt_repeats)
 
 
 class Caller(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams, WeightSource, check_update
+from rollout.params import SamplingParams, WeightSource, check_update, prompt_repeats
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
@@ -72,11 +72,14 @@ class Engine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt_index: int = 0,
-                    sample_indices: list[int] | None = None) -> str:
-        """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id."""
+                    sample_indices: list[int] | None = None, repeat: int = 0) -> str:
+        """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id.
+        `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`)."""
         check_params(params, self.vocab_size)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
+        if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 0:
+            raise ValueError(f"repeat={repeat!r} must be an integer >= 0")
         check_fits(self.config, self.pool.num_blocks, self.max_model_len, prompt_index, len(ids), params,
                    len(indices))
         request_id = request_id or uuid.uuid4().hex
@@ -85,7 +88,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         max_length = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, max_length, len(indices))
+        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, max_length, len(indices),
+                      repeat)
         self.groups[request_id] = group
         self.scheduler.add(Sequence(group, indices, list(ids)))
         return request_id
@@ -258,8 +262,8 @@ class Engine:
                  use_tqdm: bool = False) -> pa.Table:
         """Every sample of every prompt, rows ordered by prompt then sample."""
         token_lists = self.tokenize(prompts, params)
-        for i, ids in enumerate(token_lists):
-            self.add_request(ids, params, prompt_index=i)
+        for i, (ids, repeat) in enumerate(zip(token_lists, prompt_repeats(token_lists))):
+            self.add_request(ids, params, prompt_index=i, repeat=repeat)
         rows = []
         with tqdm(total=len(token_lists) * params.n, disable=not use_tqdm, desc="samples") as bar:
             while self.has_unfinished():

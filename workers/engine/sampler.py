@@ -144,7 +144,7 @@ class RowParams:
         """Record the parameters of `seq` (of its first sample: an unforked prompt keeps that one)."""
         group = seq.group
         self.values[seq.row] = group.sampling_values
-        self.keys[seq.row] = sample_key(group.seed, group.prompt_hash, seq.sample_indices[0])
+        self.keys[seq.row] = sample_key(group.seed, group.prompt_hash, group.noise_index(seq.sample_indices[0]))
 
 
 def expanded_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,7 +152,8 @@ def expanded_rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndar
     has one row per sample, all reading its logits)."""
     rows = [(i, seq, index) for i, seq in enumerate(seqs) for index in seq.sample_indices]
     values = np.array([seq.group.sampling_values for _, seq, _ in rows], np.float64).reshape(-1, 5)
-    keys = np.array([sample_key(seq.group.seed, seq.group.prompt_hash, index) for _, seq, index in rows],
+    keys = np.array([sample_key(seq.group.seed, seq.group.prompt_hash, seq.group.noise_index(index))
+                     for _, seq, index in rows],
                     np.uint64)
     return values, keys, np.array([i for i, _, _ in rows], np.int64)
 

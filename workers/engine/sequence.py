@@ -41,6 +41,11 @@ class Group:
     eos_token_ids: frozenset[int]
     max_length: int  # a sample ends when it holds this many tokens (max_new_tokens, or the model's limit)
     num_unfinished: int = 0
+    repeat: int = 0  # which copy of an identical prompt in its call (rollout.params.prompt_repeats)
+
+    def noise_index(self, sample_index: int) -> int:
+        """The index the sampler's noise is keyed by: copy k of a prompt draws samples k*n .. k*n + n-1."""
+        return self.repeat * self.params.n + sample_index
 
     @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:
