@@ -16,7 +16,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout import SamplingParams  # noqa: E402
-from tests.model_zoo import build_zoo_model  # noqa: E402
+from tests.model_zoo import ZOO, build_zoo_model  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
@@ -44,6 +44,8 @@ def zoo_dir(tmp_path_factory):
 
     @functools.cache
     def build(name: str, seed: int = 0) -> str:
+        if ZOO[name][0] is None:
+            pytest.skip(f"transformers {transformers.__version__} has no config class for {name!r}")
         return build_zoo_model(name, tmp_path_factory.mktemp(name), seed)
 
     return build

@@ -22,6 +22,8 @@ _WINDOWED = {**_FOUR, "sliding_window": 12}
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+_LAGUNA_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -117,6 +119,20 @@ ZOO: dict[str, tuple[type, dict]] = {
         "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                           "num_attention_heads": 4, "image_size": 28, "patch_size": 14},
         "mm_tokens_per_image": 4, "boi_token_index": 125, "eoi_token_index": 126, "image_token_index": 127}),
+    # the first three are missing from older transformers (5.17 among them): None there, and their tests skip
+    "exaone": (getattr(tf, "ExaoneConfig", None), _FOUR),
+    "internlm3": (getattr(tf, "InternLM3Config", None), _FOUR),
+    "iquestcoder": (getattr(tf, "IQuestCoderConfig", None), _FOUR),
+    "hyperclovax": (tf.HyperCLOVAXConfig, {**_FOUR, "attention_multiplier": 0.3, "residual_multiplier": 0.7,
+                                           "embedding_multiplier": 2.0, "logits_scaling": 1.5, "use_post_norm": True}),
+    "jetmoe": (tf.JetMoeConfig, {**_FOUR, "kv_channels": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "minimax_m2": (tf.MiniMaxM2Config, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "hy_v3": (tf.HYV3Config, {**_FOUR, **_MOE, "num_experts": 4, "num_shared_experts": 1}),
+    "laguna": (tf.LagunaConfig, {  # windowed and global layers with their own RoPE, heads per layer, MoE
+        **_WINDOWED, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "num_attention_heads_per_layer": [4, 8, 4, 8],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "moe_router_logit_softcapping": 3.0,
+        "rope_parameters": _LAGUNA_ROPE}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,

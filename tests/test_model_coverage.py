@@ -24,7 +24,8 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee",
             "ministral", "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode",
             "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
-            "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3"]
+            "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3",
+            "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",

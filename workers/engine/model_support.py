@@ -26,7 +26,8 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "olmo3", "smollm3", "glm", "glm4", "cohere2", "exaone4", "ernie4_5", "seed_oss", "apertus", "arcee", "ministral",
     "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode", "nanochat", "cwm", "jais2",
     "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
-    "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3"})
+    "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3", "exaone", "internlm3",
+    "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
