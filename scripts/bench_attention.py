@@ -24,6 +24,7 @@ import torch
 from bench_gpu_runs import copy_bandwidth
 
 from workers.engine.attention.base import AttentionMetadata
+from workers.engine.kv_cache import KvCache
 
 ROW = "{:>6} {:>8} {:>8} {:>7} {:>11} {:>9} {:>8} {:>12}"
 
@@ -83,7 +84,7 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
     kv_cache, meta, (q, k, v), moved = decode_step(seqs, context, args)
     results = []
     for path, forced in (("single", 1), ("split", args.splits), ("auto", None)):
-        backend = TritonBackend(kv_cache, num_kv_splits=forced)
+        backend = TritonBackend(KvCache.of(kv_cache), num_kv_splits=forced)
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
         results.append((path, backend.num_splits, do_bench(step, return_mode="median"), step()))

@@ -28,6 +28,7 @@ from triton.runtime import driver
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.triton_backend import TritonBackend
+from workers.engine.kv_cache import KvCache
 
 # name: (query heads, KV heads, head_dim, sliding window, logit softcap)
 MODELS = {
@@ -95,7 +96,7 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
         cu_seqlens_q=torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32),
         seq_lens=torch.full((seqs,), 32, dtype=torch.int32),
         block_table=torch.zeros(seqs, 4, dtype=torch.int32), max_seqlen_q=q_len, max_seqlen_k=32)
-    backend = TritonBackend(cache, num_kv_splits=splits)
+    backend = TritonBackend(KvCache.of(cache), num_kv_splits=splits)
     backend.prepare_metadata(meta)
     q = torch.zeros(seqs * q_len, heads, head_dim, dtype=dtype)
     k = torch.zeros(seqs * q_len, kv_heads, head_dim, dtype=dtype)

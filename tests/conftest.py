@@ -73,8 +73,7 @@ def simulate_sms(monkeypatch, num_sms: int) -> None:
 @functools.cache
 def gib_per_block(model: str, block_size: int) -> float:
     """GiB of KV one cache block of `model` holds in float32 on the CPU, read from an engine's own cache."""
-    cache = make_engine(model, block_size=block_size, num_blocks=8).runner.kv_cache
-    return cache.numel() * cache.element_size() / 8 / 2**30
+    return make_engine(model, block_size=block_size, num_blocks=8).runner.kv_cache.nbytes / 8 / 2**30
 
 
 def make_engine(model: str, **config) -> Engine:

@@ -24,6 +24,10 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "l
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 _LAGUNA_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+_GEMMA4 = {**_WINDOWED, "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+           "global_head_dim": 16, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+           "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+           "final_logit_softcapping": 3.0}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -133,6 +137,16 @@ ZOO: dict[str, tuple[type, dict]] = {
         "layer_types": ["sliding_attention", "full_attention"] * 2, "num_attention_heads_per_layer": [4, 8, 4, 8],
         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "moe_router_logit_softcapping": 3.0,
         "rope_parameters": _LAGUNA_ROPE}),
+    # Gemma 4: global layers with other head sizes and KV head counts than the windowed ones (K = V there),
+    # the last two layers reusing earlier layers' K/V, per-layer input embeddings, final logit softcapping
+    "gemma4_text": (getattr(tf, "Gemma4TextConfig", None), _GEMMA4),
+    "gemma4_text_moe": (getattr(tf, "Gemma4TextConfig", None), {
+        **_GEMMA4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}),
+    "gemma4": (getattr(tf, "Gemma4Config", None), {  # the multimodal checkpoint, served text-only
+        "text_config": _GEMMA4, "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8},
+        "audio_config": None, "boi_token_id": 120, "eoi_token_id": 121, "image_token_id": 122,
+        "video_token_id": 123, "boa_token_id": 124, "eoa_token_index": 125, "audio_token_id": 126}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,

@@ -7,6 +7,7 @@ import torch
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
+from workers.engine.kv_cache import KvCache
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -55,7 +56,7 @@ def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata,
                              softcap: float | None) -> None:
     """Layer 1 of `backend` (in q's dtype) against the torch reference (in float32 from the same
     rounded inputs and cache): outputs within the dtype's tolerance, caches equal after the store."""
-    reference = TorchBackend(backend.kv_cache.to(torch.float32, copy=True))
+    reference = TorchBackend(KvCache.of(backend.kv_cache.tensors[0].to(torch.float32, copy=True)))
     outputs = []
     for each, dt in ((reference, torch.float32), (backend, q.dtype)):
         each.prepare_metadata(meta)
@@ -64,4 +65,4 @@ def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata,
     valid = int(meta.cu_seqlens_q[-1])
     tolerance = TOLERANCE[q.dtype]
     torch.testing.assert_close(outputs[1][:valid], outputs[0][:valid], atol=tolerance, rtol=tolerance)
-    assert torch.equal(backend.kv_cache.float(), reference.kv_cache)
+    assert torch.equal(backend.kv_cache.tensors[0].float(), reference.kv_cache.tensors[0])

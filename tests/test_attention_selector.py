@@ -11,12 +11,13 @@ import torch
 from tests.conftest import CudaLooking
 from workers.engine.attention.selector import create_backend
 from workers.engine.attention.torch_backend import TorchBackend
+from workers.engine.kv_cache import KvCache
 
 
 def kv_cache(dtype: torch.dtype = torch.float16, block_size: int = 256,
-             head_dim: int = 64) -> torch.Tensor:
-    """A tiny `[layers, 2, blocks, block_size, kv_heads, head_dim]` cache on CPU."""
-    return torch.zeros(1, 2, 2, block_size, 2, head_dim, dtype=dtype)
+             head_dim: int = 64, tensor_type: type = torch.Tensor) -> KvCache:
+    """A tiny one-layer cache on CPU (of `tensor_type`, a subclass that may pretend to be on CUDA)."""
+    return KvCache.of(torch.zeros(1, 2, 2, block_size, 2, head_dim, dtype=dtype).as_subclass(tensor_type))
 
 
 def stub_flash_attn() -> types.ModuleType:
@@ -86,7 +87,7 @@ def test_flash_attn_missing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     (kv_cache(head_dim=512), "head_dim <= 256, got 512"),
     (kv_cache(torch.bfloat16, 512), "needs a CUDA KV cache, got device cpu"),
 ])
-def test_flash_attn_refuses_unsupported_cache(fake_flash_attn: None, cache: torch.Tensor,
+def test_flash_attn_refuses_unsupported_cache(fake_flash_attn: None, cache: KvCache,
                                               message: str) -> None:
     """Each flash-attn constraint is checked at construction and named in the error."""
     with pytest.raises(ValueError, match=message):
@@ -105,5 +106,5 @@ def test_auto_on_cuda(monkeypatch: pytest.MonkeyPatch, flash_installed: bool, bl
     monkeypatch.setitem(sys.modules, "flash_attn", stub_flash_attn() if flash_installed else None)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
-    cache = kv_cache(block_size=block_size).as_subclass(CudaLooking)
+    cache = kv_cache(block_size=block_size, tensor_type=CudaLooking)
     assert type(create_backend("auto", cache)).__name__ == expected

@@ -81,11 +81,11 @@ def replay_check(runner, inputs) -> tuple[tuple[int, int], int, bool]:
     the replay's logits equal the eager ones, it wrote no slot but the step's own, and the static
     buffers are padded as promised)."""
     eager = runner.forward(inputs, use_graphs=False)
-    before = runner.kv_cache.clone()
+    (before,) = [t.clone() for t in runner.kv_cache.tensors]
     replayed = runner.forward(inputs)
     g, n = runner.graphs, inputs.meta.seq_lens.shape[0]
     batch = min(b for b in g.batch_sizes if b >= n)
-    changed = (runner.kv_cache != before).permute(2, 3, 0, 1, 4, 5).flatten(2).any(2).flatten()  # per slot
+    changed = (runner.kv_cache.tensors[0] != before).permute(2, 3, 0, 1, 4, 5).flatten(2).any(2).flatten()  # per slot
     written = set(changed.nonzero().flatten().tolist())
     padded = (bool((g.slots[n:batch] == -1).all()) and not g.seq_lens[n:batch].any()
               and bool((g.cu_seqlens_q[n + 1:batch + 1] == n).all()) and not g.block_table[n:batch].any())

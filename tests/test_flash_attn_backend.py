@@ -16,6 +16,7 @@ import torch
 from tests.conftest import CudaLooking
 from tests.paged_cases import assert_matches_reference, random_step
 from workers.engine.attention.flash_attn_backend import FlashAttnBackend
+from workers.engine.kv_cache import KvCache
 
 pytest.importorskip("triton")  # the backend stores K/V with the Triton store kernel
 
@@ -80,7 +81,7 @@ def test_flash_attn_backend_matches_reference(monkeypatch: pytest.MonkeyPatch, p
     calls: list[str] = []
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn(calls))
     meta, cache, q, k, v = random_step(pairs, (8, 2), 64, 256, pad_tokens, "cpu", torch.float16)
-    backend = FlashAttnBackend(cache.as_subclass(CudaLooking))
-    backend.kv_cache = cache  # the device check is passed; compute on the plain CPU tensor
+    backend = FlashAttnBackend(KvCache.of(cache.as_subclass(CudaLooking)))
+    backend.kv_cache = KvCache.of(cache)  # the device check is passed; compute on the plain CPU tensor
     assert_matches_reference(backend, meta, q, k, v, window, softcap)
     assert calls == [entry]

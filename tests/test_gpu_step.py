@@ -110,8 +110,7 @@ def test_automatic_size_stays_within_the_cards_budget(model_dir):
     free, total = torch.cuda.mem_get_info()
     engine = Engine(EngineConfig(model=model_dir(), device="cuda", gpu_memory_utilization=0.3,
                                  max_model_len=1024))
-    cache = engine.runner.kv_cache
-    assert cache.dtype == torch.bfloat16, "dtype auto on CUDA"
+    assert engine.runner.kv_cache.dtype == torch.bfloat16, "dtype auto on CUDA"
     assert engine.pool.num_blocks > 0
     assert torch.cuda.memory_allocated() <= 0.3 * total + (total - free)
 
@@ -121,7 +120,8 @@ def test_cpu_pool_is_pinned_to_its_size(model_dir):
     layers make a bfloat16 block 1.5 pages, so the pool does not end on a page boundary."""
     engine = Engine(EngineConfig(model=model_dir(num_layers=3), device="cuda", num_blocks=64, cpu_offload_gib=0.01))
     pool = engine.cpu_pool
-    assert pool.blocks.is_pinned()
+    (blocks,) = pool.blocks  # one K/V shape: one tensor
+    assert blocks.is_pinned()
     assert pool.nbytes == pool.num_blocks * pool.bytes_per_block <= 0.01 * 2**30
     assert pool.nbytes % PAGE, "the pool must not end on a page boundary for this test to tell anything"
-    assert pool.blocks.untyped_storage().nbytes() == cdiv(pool.nbytes, PAGE) * PAGE, "locked in whole pages only"
+    assert blocks.untyped_storage().nbytes() == cdiv(pool.nbytes, PAGE) * PAGE, "locked in whole pages only"

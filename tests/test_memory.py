@@ -12,6 +12,7 @@ from rollout import SamplingParams
 from rollout.config import EngineConfig
 from tests.conftest import make_engine, run
 from workers.engine import memory
+from workers.engine.kv_cache import KvCache
 from workers.engine.offload import CpuPool
 
 GIB = 2**30
@@ -19,7 +20,7 @@ GIB = 2**30
 
 def test_explicit_num_blocks_wins(model_dir):
     engine = make_engine(model_dir(), num_blocks=37, kv_cache_memory_gib=1.0)
-    assert engine.pool.num_blocks == 37 and engine.runner.kv_cache.shape[2] == 37
+    assert engine.pool.num_blocks == 37 and engine.runner.kv_cache.num_blocks == 37
 
 
 def test_automatic_size_stays_within_the_budget(model_dir):
@@ -27,7 +28,7 @@ def test_automatic_size_stays_within_the_budget(model_dir):
     engine = make_engine(model_dir(), num_blocks=None, kv_cache_memory_gib=budget)
     runner = engine.runner
     assert engine.pool.num_blocks == int(budget * GIB) // runner.bytes_per_block
-    assert runner.kv_cache.numel() * runner.kv_cache.element_size() <= budget * GIB
+    assert runner.kv_cache.nbytes == engine.pool.num_blocks * runner.bytes_per_block <= budget * GIB
     rows = run(engine, [[5, 6, 7, 8, 9]], SamplingParams(n=4, max_new_tokens=20, ignore_eos=True))
     assert len(rows) == 4
 
@@ -73,13 +74,13 @@ def test_config_refuses_bad_memory_fields():
 def test_cpu_pool_takes_exactly_its_blocks_bytes():
     cache = torch.zeros(2, 2, 4, 16, 2, 8)
     per_block = 2 * 2 * 16 * 2 * 8 * 4
-    pool = CpuPool(cache, gib=(10 * per_block + 100) / GIB)
+    pool = CpuPool(KvCache.of(cache), gib=(10 * per_block + 100) / GIB)
     assert pool.num_blocks == 10 and pool.nbytes == 10 * per_block
 
 
 def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
     cache = torch.randn(2, 2, 6, 4, 1, 2)
-    pool = CpuPool(cache, gib=8 * cache[:, :, 0].numel() * 4 / GIB)
+    pool = CpuPool(KvCache.of(cache), gib=8 * cache[:, :, 0].numel() * 4 / GIB)
     original = cache.clone()
     pool.copy_to_cpu([(5, 0), (1, 1), (3, 2), (2, 6)])
     cache.zero_()

@@ -25,7 +25,8 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "ministral", "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode",
             "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
             "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3",
-            "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna"]
+            "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna",
+            "gemma4_text", "gemma4_text_moe", "gemma4"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -229,10 +230,10 @@ def test_paged_attention_outside_a_step_is_refused_and_leaves_the_cache_alone(zo
     engine = make_engine(path, block_size=8)
     engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
     engine.step()
-    cache = engine.runner.kv_cache.clone()
+    (cache,) = [t.clone() for t in engine.runner.kv_cache.tensors]
     with pytest.raises(RuntimeError, match="outside an engine step"):
         engine.runner.model(torch.tensor([prompt[:5]]))
-    assert torch.equal(engine.runner.kv_cache, cache)
+    assert torch.equal(engine.runner.kv_cache.tensors[0], cache)
     rows = []
     while engine.has_unfinished():
         rows += engine.step()

@@ -12,6 +12,7 @@ from tests.conftest import DEVICES, gib_per_block, make_engine, random_prompts, 
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.block_table import BlockTables
+from workers.engine.kv_cache import KvCache
 from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
 from workers.engine.sequence import Group, Sequence, Status
@@ -104,7 +105,7 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
     """Restoring with an empty free list: the block copied back in may evict only cached blocks the
     sequence does not reuse (here its own blocks 1 and 2 are the oldest cached)."""
     pool = BlockPool(7, 2)
-    offloader = Offloader(pool, BlockTables(4, 4, 2), CpuPool(torch.zeros(1, 2, 7, 2, 1, 1), gib=1e-6))
+    offloader = Offloader(pool, BlockTables(4, 4, 2), CpuPool(KvCache.of(torch.zeros(1, 2, 7, 2, 1, 1)), gib=1e-6))
     tokens = [11, 12, 13, 14, 15, 16, 17]
     group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 64, 1)
     seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)

@@ -9,6 +9,7 @@ import torch
 
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.torch_backend import TorchBackend
+from workers.engine.kv_cache import KvCache
 
 
 def naive(q, keys, values, q_pos, scale, window, softcap):
@@ -53,7 +54,7 @@ def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_blocks, n
     new_v = torch.cat([values[b][k - q:] for b, (q, k) in enumerate(pairs)])
     q = torch.randn(len(new_k), h_q, d)
     cu = torch.tensor([0, *itertools.accumulate(q for q, _ in pairs)], dtype=torch.int32)
-    backend = TorchBackend(kv)
+    backend = TorchBackend(KvCache.of(kv))
     backend.chunk_bytes = chunk_blocks * bs * h_kv * d * kv.element_size()
     backend.prepare_metadata(AttentionMetadata(torch.tensor(slots), cu, torch.tensor([k for _, k in pairs],
                                                dtype=torch.int32), tables, 7, 20))
@@ -69,7 +70,7 @@ def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_blocks, n
 def test_rows_grouped_by_length_within_budget():
     """Rows sorted by length fill each group up to the byte budget, padded to the group's longest row."""
     bs, h_kv, d = 4, 2, 8
-    backend = TorchBackend(torch.zeros(1, 2, 128, bs, h_kv, d))
+    backend = TorchBackend(KvCache.of(torch.zeros(1, 2, 128, bs, h_kv, d)))
     backend.chunk_bytes = 6 * bs * h_kv * d * 4
     lengths = [40, 5, 33, 6, 7, 41, 8]
     tables = torch.arange(len(lengths) * 11, dtype=torch.int32).view(len(lengths), 11)

@@ -29,6 +29,7 @@ from workers.engine.attention.triton_backend import (  # noqa: E402
     TritonBackend,
     choose_num_splits,
 )
+from workers.engine.kv_cache import KvCache  # noqa: E402
 
 if not ON_GPU and not isinstance(tl.sum, InterpretedFunction):
     # Triton was imported (by torch._dynamo, through conftest) before TRITON_INTERPRET was set:
@@ -46,7 +47,7 @@ def run_both(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int
     """One layer through TritonBackend (in `dtype`) against the torch reference; `splits` None lets
     the heuristic choose (and it must split); `num_sms` pretends a GPU size."""
     meta, cache, q, k, v = random_step(pairs, heads, head_dim, block_size, pad_tokens, DEVICE, dtype)
-    backend = TritonBackend(cache, splits)
+    backend = TritonBackend(KvCache.of(cache), splits)
     backend.num_sms = num_sms or backend.num_sms
     assert_matches_reference(backend, meta, q, k, v, window, softcap)
     if splits is None:
@@ -169,19 +170,19 @@ def test_launches_replay_like_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, case
     shape = dict(num_blocks=sum(blocks) + 3, width=max(blocks))
     first, second = (random_step(p, (8, 2), 64, block_size, 2, DEVICE, torch.float32, **shape)
                      for p in steps)
-    captured = TritonBackend(first[1], splits)
+    captured = TritonBackend(KvCache.of(first[1]), splits)
     captured.prepare_metadata(first[0])
     captured.forward(1, *first[2:], 0.125, 50, 5.0)
     for buffers in ((first[0], second[0]), *zip(first[1:], second[1:])):
         _copy_into(*buffers)
-    reference = TorchBackend(second[1].clone())
+    reference = TorchBackend(KvCache.of(second[1].clone()))
     reference.prepare_metadata(second[0])
     expected = reference.forward(1, *second[2:], 0.125, 50, 5.0)
     for kernel, grid, args, kwargs in log:
         kernel[grid](*args, **kwargs)
     out, valid = log[1][2][0], int(second[0].cu_seqlens_q[-1])
     torch.testing.assert_close(out[:valid], expected[:valid], atol=2e-5, rtol=2e-5)
-    assert torch.equal(first[1], reference.kv_cache)
+    assert torch.equal(first[1], reference.kv_cache.tensors[0])
 
 
 def _copy_into(dst, src) -> None:

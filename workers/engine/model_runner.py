@@ -20,6 +20,7 @@ from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
 from workers.engine.graphs import DecodeGraphs, resolve
+from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
 from workers.engine.pipeline import Sampled
@@ -91,14 +92,13 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         with _phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
-        layers, kv_heads, head_dim = adapt_model(self.model)
+        self.layout = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
-        self.block_shape = (layers, 2, config.block_size, kv_heads, head_dim)
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
                                   config.block_size)
@@ -126,11 +126,10 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block across every layer."""
-        return int(np.prod(self.block_shape)) * self.model.dtype.itemsize
+        return self.layout.bytes_per_block(self.block_size, self.model.dtype)
 
-    def _new_cache(self, num_blocks: int) -> torch.Tensor:
-        shape = (*self.block_shape[:2], num_blocks, *self.block_shape[2:])
-        return torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+    def _new_cache(self, num_blocks: int) -> KvCache:
+        return KvCache.allocate(self.layout, num_blocks, self.block_size, self.model.dtype, self.device)
 
     def _size_cache(self) -> int:
         """`num_blocks` as configured, or as many as the memory budget holds (logged once)."""
@@ -151,7 +150,7 @@ class ModelRunner:
         self.backend = create_backend(self.config.attention_backend, cache)
         inputs = self._send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size))
         self.sample(self.forward(inputs), inputs)
-        peak = torch.cuda.max_memory_allocated(self.device) - cache.numel() * cache.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - cache.nbytes
         del cache, self.backend
         torch.cuda.empty_cache()
         return peak
@@ -232,4 +231,4 @@ class ModelRunner:
         if pairs:
             t = self.staging.send({"src": np.array([s for s, _ in pairs], np.int64),
                                    "dst": np.array([d for _, d in pairs], np.int64)})
-            self.kv_cache.index_copy_(2, t["dst"], self.kv_cache.index_select(2, t["src"]))
+            self.kv_cache.copy_blocks(t["src"], t["dst"])

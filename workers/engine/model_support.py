@@ -1,20 +1,19 @@
 """Which models the engine serves exactly, and the shape of their paged KV cache.
 
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
-against transformers `generate`; a vision-language type there, Gemma 3's, is served text-only, its vision
-tower loaded but never run) and its config uses no feature our paged attention cannot see:
-recurrent or linear-attention layers, chunked attention, ALiBi, batch-dependent RoPE. Everything else
-is refused at construction with a `ValueError` naming the model type and the feature.
+against transformers `generate`; a vision-language type there, Gemma 3's or 4's, is served text-only, its
+vision tower loaded but never run) and its config uses no feature our paged attention cannot see:
+recurrent or linear-attention layers, chunked attention, ALiBi, batch-dependent RoPE.
+Everything else is refused at construction with a `ValueError` naming the model type and the feature.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import transformers
 
 from workers.engine.attention import AttentionBackend, set_backend
+from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.rope_cache import cache_rope_init
 
@@ -27,7 +26,7 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode", "nanochat", "cwm", "jais2",
     "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
     "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3", "exaone", "internlm3",
-    "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna"})
+    "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -45,14 +44,6 @@ _REFUSED_MODEL_TYPES = {
     "doge": "dynamic mask attention (a bias computed from the values)",
     "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)",
 }
-
-
-class KvLayout(NamedTuple):
-    """What the paged KV cache of a model holds per token: one K and one V per layer and KV head."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
 
 
 def refuse(model_type: str, feature: str) -> ValueError:
@@ -110,25 +101,27 @@ def adapt_model(model: transformers.PreTrainedModel) -> KvLayout:
 
 
 class _ShapeProbe(AttentionBackend):
-    """Records the layer index and q/k/v shapes of every attention call; returns zeros."""
+    """Records the layer index and the k/v of every attention call (kept alive, so that a layer handed
+    an earlier layer's K/V is seen by its storage); returns zeros."""
 
     def __init__(self) -> None:
-        super().__init__(torch.zeros(1, 2, 1, 1, 1, 1))
-        self.calls: list[tuple[int | None, tuple, tuple]] = []
+        super().__init__(KvCache.of(torch.zeros(1, 2, 1, 1, 1, 1)))
+        self.calls: list[tuple[int | None, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Record the call; the output's values do not matter."""
-        self.calls.append((layer, tuple(k.shape[1:]), tuple(v.shape[1:])))
+        self.calls.append((layer, k, v))
         return torch.zeros_like(q)
 
 
 @torch.inference_mode()
 def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
-    """Layers, KV heads and head size of `model`'s paged cache, from a two-token probe forward.
+    """Each layer's KV heads and head size, and whose K/V it reads, from a two-token probe forward.
 
-    Raises `ValueError` unless every decoder layer calls our attention exactly once with the same
-    K and V shapes (so hybrid layers, MLA and attention outside the interface are refused).
+    Raises `ValueError` unless every decoder layer calls our attention exactly once with K and V of
+    one shape (so hybrid layers, MLA and attention outside the interface are refused). A layer handed
+    the very K/V tensors an earlier layer computed (KV sharing) reads that layer's cache.
     """
     probe = _ShapeProbe()
     device = next(model.parameters()).device
@@ -146,8 +139,16 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
     if layers != list(range(model.config.get_text_config(decoder=True).num_hidden_layers)):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers})")
-    shapes = {k for _, k, _ in probe.calls} | {v for _, _, v in probe.calls}
-    if len(shapes) != 1:
-        raise refuse(model_type, f"key/value head shapes differ between layers or between K and V: {sorted(shapes)}")
-    num_kv_heads, head_dim = shapes.pop()
-    return KvLayout(len(layers), num_kv_heads, head_dim)
+    mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape]
+    if mismatched:
+        raise refuse(model_type, f"keys and values of different shapes (layers {mismatched})")
+    return KvLayout(tuple(tuple(k.shape[1:]) for _, k, _ in probe.calls), _owners(probe.calls))
+
+
+def _owners(calls: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    """Per layer, the first layer whose K and V are the same tensors as its own."""
+    first: dict[tuple, int] = {}
+    for layer, k, v in calls:
+        first.setdefault((k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride()), layer)
+    return tuple(first[(k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride())]
+                 for _, k, v in calls)

@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from workers.engine.kv_cache import KvCache
 from workers.engine.memory import available_ram_bytes, pinned_empty
 from workers.engine.staging import Staging
 
@@ -45,15 +46,15 @@ def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
 
 
 class CpuPool:
-    """`[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: each CPU block is contiguous, so
-    runs of slots move in single copies."""
+    """Per tensor of the device cache, `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: each CPU
+    block is contiguous, so runs of slots move in single copies."""
 
-    def __init__(self, kv_cache: torch.Tensor, gib: float) -> None:
+    def __init__(self, kv_cache: KvCache, gib: float) -> None:
         self.kv_cache = kv_cache
-        block_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
-        self.bytes_per_block = int(np.prod(block_shape)) * kv_cache.element_size()
+        shapes = [(*t.shape[:2], *t.shape[3:]) for t in kv_cache.tensors]
+        self.bytes_per_block = sum(int(np.prod(s)) for s in shapes) * kv_cache.dtype.itemsize
         self.num_blocks = cpu_pool_blocks(gib, self.bytes_per_block)
-        self.blocks = pinned_empty((self.num_blocks, *block_shape), kv_cache.dtype, kv_cache.device)
+        self.blocks = [pinned_empty((self.num_blocks, *s), kv_cache.dtype, kv_cache.device) for s in shapes]
         self.free: deque[int] = deque(range(self.num_blocks))
         self.staging = Staging(kv_cache.device)
         self.stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None
@@ -61,7 +62,7 @@ class CpuPool:
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (and pins, on CUDA)."""
-        return self.blocks.numel() * self.blocks.element_size()
+        return sum(b.numel() * b.element_size() for b in self.blocks)
 
     @property
     def num_free(self) -> int:
@@ -100,9 +101,10 @@ class CpuPool:
             return
         device_ids = self.staging.send({"ids": np.array([d for d, _ in pairs], np.int64)})["ids"]
         with self._on_copy_stream():
-            gathered = self.kv_cache.index_select(2, device_ids).movedim(2, 0).contiguous()
-            for first, slot, n in runs([c for _, c in pairs]):
-                self.blocks[slot:slot + n].copy_(gathered[first:first + n], non_blocking=True)
+            spans = list(runs([c for _, c in pairs]))
+            for blocks, gathered in zip(self.blocks, self.kv_cache.gather(device_ids)):
+                for first, slot, n in spans:
+                    blocks[slot:slot + n].copy_(gathered[first:first + n], non_blocking=True)
 
     def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
         """CPU block -> device block for each (cpu, device) pair: a copy per run, then one scatter."""
@@ -110,8 +112,10 @@ class CpuPool:
             return
         device_ids = self.staging.send({"ids": np.array([d for _, d in pairs], np.int64)})["ids"]
         with self._on_copy_stream():
-            moved = torch.empty((len(pairs), *self.blocks.shape[1:]), dtype=self.blocks.dtype,
-                                device=self.kv_cache.device)
-            for first, slot, n in runs([c for c, _ in pairs]):
-                moved[first:first + n].copy_(self.blocks[slot:slot + n], non_blocking=True)
-            self.kv_cache.index_copy_(2, device_ids, moved.movedim(0, 2))
+            moved = [torch.empty((len(pairs), *b.shape[1:]), dtype=b.dtype, device=self.kv_cache.device)
+                     for b in self.blocks]
+            spans = list(runs([c for c, _ in pairs]))
+            for blocks, dst in zip(self.blocks, moved):
+                for first, slot, n in spans:
+                    dst[first:first + n].copy_(blocks[slot:slot + n], non_blocking=True)
+            self.kv_cache.scatter(device_ids, moved)

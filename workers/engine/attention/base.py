@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.kv_cache import KvCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,12 +36,12 @@ class AttentionMetadata:
 class AttentionBackend:
     """Writes the new K/V of a step into the paged cache and attends over each sequence's blocks.
 
-    `kv_cache` is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    `kv_cache.layers[i]` is layer i's `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
     """
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: KvCache) -> None:
         self.kv_cache = kv_cache
-        self.block_size = kv_cache.shape[3]
+        self.block_size = kv_cache.block_size
         self.meta: AttentionMetadata | None = None
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:

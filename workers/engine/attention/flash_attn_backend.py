@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.kv_cache import KvCache
 
 BLOCK_MULTIPLE = 256
 MAX_HEAD_DIM = 256
@@ -24,9 +25,9 @@ def load_flash_attn() -> ModuleType:
     return flash_attn
 
 
-def check_config(kv_cache: torch.Tensor) -> None:
+def check_config(kv_cache: KvCache) -> None:
     """Refuse a KV cache flash-attn's paged kernels cannot serve, naming the offending value."""
-    block_size, head_dim = kv_cache.shape[3], kv_cache.shape[5]
+    block_size, head_dim = kv_cache.block_size, kv_cache.max_head_dim
     if kv_cache.dtype not in DTYPES:
         raise ValueError(f"flash-attn needs a float16 or bfloat16 KV cache, got {kv_cache.dtype}")
     if block_size % BLOCK_MULTIPLE:
@@ -46,7 +47,7 @@ class FlashAttnBackend(AttentionBackend):
     `window_size=(W - 1, 0)`, and softcap is flash's `softcap`.
     """
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: KvCache) -> None:
         flash_attn = load_flash_attn()
         check_config(kv_cache)
         super().__init__(kv_cache)
@@ -69,7 +70,7 @@ class FlashAttnBackend(AttentionBackend):
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
         meta = self.meta
-        k_cache, v_cache = self.kv_cache[layer]
+        k_cache, v_cache = self.kv_cache.layers[layer]
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:

@@ -6,16 +6,15 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from rollout.config import ATTENTION_BACKENDS
 from workers.engine.attention.base import AttentionBackend
 from workers.engine.attention.torch_backend import TorchBackend
+from workers.engine.kv_cache import KvCache
 
 logger = logging.getLogger(__name__)
 
 
-def create_backend(name: str, kv_cache: torch.Tensor) -> AttentionBackend:
+def create_backend(name: str, kv_cache: KvCache) -> AttentionBackend:
     """The backend `name` ("auto", "torch", "triton" or "flash_attn") over `kv_cache`.
 
     "auto": flash-attn on CUDA when it imports and supports the cache (else Triton), torch on CPU.
@@ -33,7 +32,7 @@ def create_backend(name: str, kv_cache: torch.Tensor) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
 
 
-def _auto_backend(kv_cache: torch.Tensor) -> AttentionBackend:
+def _auto_backend(kv_cache: KvCache) -> AttentionBackend:
     if not kv_cache.is_cuda:
         return TorchBackend(kv_cache)
     from workers.engine.attention import flash_attn_backend
@@ -48,7 +47,7 @@ def _auto_backend(kv_cache: torch.Tensor) -> AttentionBackend:
         return _triton_backend(kv_cache)
 
 
-def _triton_backend(kv_cache: torch.Tensor) -> AttentionBackend:
+def _triton_backend(kv_cache: KvCache) -> AttentionBackend:
     if not kv_cache.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention backend 'triton' needs a CUDA KV cache, got device "
                          f"{kv_cache.device}; on CPU use 'torch' (or set TRITON_INTERPRET=1 to run "

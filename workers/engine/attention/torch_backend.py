@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.kv_cache import KvCache
 from workers.engine.sequence import cdiv
 
 
@@ -119,9 +120,9 @@ class TorchBackend(AttentionBackend):
 
     chunk_bytes = 2 << 20
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: KvCache) -> None:
         super().__init__(kv_cache)
-        self.block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()  # one block of one layer's K
+        self.block_bytes = max(layer[0, 0].numel() for layer in kv_cache.layers) * kv_cache.dtype.itemsize
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and group its sequences into row groups of bounded K/V size: sorted
@@ -169,7 +170,7 @@ class TorchBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend group by group."""
-        k_cache, v_cache = self.kv_cache[layer]
+        k_cache, v_cache = self.kv_cache.layers[layer]
         store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
         out = torch.empty_like(q)
         for group in self.groups:

@@ -7,6 +7,7 @@ import triton
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.attention.triton_kernels import LaunchConfig, paged_attention, store_kv
+from workers.engine.kv_cache import KvCache
 
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256
@@ -53,7 +54,7 @@ class TritonBackend(AttentionBackend):
     split count a graph bakes in is a function of its key.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, num_kv_splits: int | None = None) -> None:
+    def __init__(self, kv_cache: KvCache, num_kv_splits: int | None = None) -> None:
         super().__init__(kv_cache)
         if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
             raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
@@ -72,7 +73,7 @@ class TritonBackend(AttentionBackend):
 
     def _splits(self, meta: AttentionMetadata) -> int:
         return self.num_kv_splits or choose_num_splits(
-            meta.seq_lens.shape[0], self.kv_cache.shape[4], meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
+            meta.seq_lens.shape[0], self.kv_cache.max_kv_heads, meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
 
     def graph_scalars(self, meta: AttentionMetadata) -> tuple:
         """The split count: the tile shape follows from the decode step and the tensors' shapes."""
@@ -83,14 +84,14 @@ class TritonBackend(AttentionBackend):
         one-sequence decode at `max_model_len` (the most any decode gets), times MIN_SPLIT_TOKENS."""
         if self.num_kv_splits is not None:
             return [max_model_len]
-        top = choose_num_splits(1, self.kv_cache.shape[4], 1, max_model_len, self.num_sms)
+        top = choose_num_splits(1, self.kv_cache.max_kv_heads, 1, max_model_len, self.num_sms)
         return [MIN_SPLIT_TOKENS << i for i in range(top.bit_length())]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
         meta = self.meta
-        k_cache, v_cache = self.kv_cache[layer]
+        k_cache, v_cache = self.kv_cache.layers[layer]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         config = launch_config(q.shape[1], k.shape[1], q.shape[2], q.dtype, self.decode_only,
                                self.num_splits)

@@ -1,0 +1,103 @@
+"""The paged KV cache: per layer, K and V of `block_size` tokens per block, indexed by block id.
+
+Layers whose K/V have one shape share a tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`,
+so a model with a single shape (most) has one. A model whose layers differ (Gemma 4's global layers
+have other head sizes and counts than its windowed ones) has one such tensor per shape, and a layer
+that reuses another's K/V (Gemma 4's KV-shared layers) reads and writes its owner's cache, taking no
+memory of its own. A block id means the same block in every tensor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class KvLayout(NamedTuple):
+    """What a model's paged cache holds per token: per layer its `(kv_heads, head_dim)`, and the layer
+    whose K/V it reads (itself, or the earlier layer whose K/V it reuses)."""
+
+    shapes: tuple[tuple[int, int], ...]
+    owners: tuple[int, ...]
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers calling paged attention."""
+        return len(self.shapes)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block of `block_size` tokens takes across every layer that owns its K/V."""
+        elements = sum(2 * h * d for layer, (h, d) in enumerate(self.shapes) if self.owners[layer] == layer)
+        return elements * block_size * dtype.itemsize
+
+
+class KvCache:
+    """`layer(i)` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; block copies
+    and gathers act on every tensor at once."""
+
+    def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int]]) -> None:
+        self.tensors = tensors
+        self.layers = [tensors[t][i] for t, i in index]
+        self.num_blocks, self.block_size = tensors[0].shape[2:4]
+
+    @classmethod
+    def allocate(cls, layout: KvLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> KvCache:
+        """A zeroed cache of `num_blocks` blocks for `layout`: one tensor per K/V shape, in layer order."""
+        shapes = list(dict.fromkeys(s for layer, s in enumerate(layout.shapes) if layout.owners[layer] == layer))
+        owned = [[layer for layer, s in enumerate(layout.shapes) if layout.owners[layer] == layer and s == shape]
+                 for shape in shapes]
+        place = {layer: (t, i) for t, layers in enumerate(owned) for i, layer in enumerate(layers)}
+        tensors = [torch.zeros(len(layers), 2, num_blocks, block_size, *shape, dtype=dtype, device=device)
+                   for layers, shape in zip(owned, shapes)]
+        return cls(tensors, [place[owner] for owner in layout.owners])
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> KvCache:
+        """The cache over one `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` tensor (tests, benchmarks)."""
+        return cls([tensor], [(0, i) for i in range(tensor.shape[0])])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The K/V element type."""
+        return self.tensors[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives."""
+        return self.tensors[0].device
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the cache is on a CUDA device."""
+        return self.tensors[0].is_cuda
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache takes."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def max_kv_heads(self) -> int:
+        """The most KV heads of any layer."""
+        return max(t.shape[4] for t in self.tensors)
+
+    @property
+    def max_head_dim(self) -> int:
+        """The largest head size of any layer."""
+        return max(t.shape[5] for t in self.tensors)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of blocks `src` into blocks `dst`, in every layer."""
+        for t in self.tensors:
+            t.index_copy_(2, dst, t.index_select(2, src))
+
+    def gather(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Blocks `ids` of each tensor, block-major: `[len(ids), layers, 2, block_size, kv_heads, head_dim]`."""
+        return [t.index_select(2, ids).movedim(2, 0).contiguous() for t in self.tensors]
+
+    def scatter(self, ids: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+        """Write `gather`'s layout back into blocks `ids`."""
+        for t, b in zip(self.tensors, blocks):
+            t.index_copy_(2, ids, b.movedim(0, 2))
