@@ -185,6 +185,9 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                       "lru_width": 32, "attention_window_size": 16}),
     "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
     "doge": (tf.DogeConfig, _FOUR),
+    # bidirectional attention everywhere (embedding models such as EmbeddingGemma)
+    "gemma3_bidirectional": (tf.Gemma3TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "use_bidirectional_attention": True}),
+    "gemma4_bidirectional": (getattr(tf, "Gemma4TextConfig", None), {**_GEMMA4, "use_bidirectional_attention": "all"}),
     "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
     "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,

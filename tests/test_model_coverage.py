@@ -36,6 +36,7 @@ REFUSED = {
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
     "deepseek_v2": "latent attention", "deepseek_v3": "latent attention", "doge": "dynamic mask attention",
     "granite_swa": "attention sinks", "gpt_oss": "attention sinks",
+    "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }
 MOE = [name for name in ACCEPTED if any("experts" in key for key in ZOO[name][1])]
 # Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that

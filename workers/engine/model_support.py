@@ -3,7 +3,7 @@
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
 against transformers `generate`; a vision-language type there, Gemma 3's or 4's, is served text-only, its
 vision tower loaded but never run) and its config uses no feature our paged attention cannot see:
-recurrent or linear-attention layers, chunked attention, ALiBi, batch-dependent RoPE.
+recurrent or linear-attention layers, chunked or bidirectional attention, ALiBi, batch-dependent RoPE.
 Everything else is refused at construction with a `ValueError` naming the model type and the feature.
 """
 
@@ -74,6 +74,9 @@ def check_config(config: transformers.PretrainedConfig) -> None:
 def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     """Config flags that mean our paged attention would silently compute something else."""
     found = []
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional in (True, "all"):
+        found.append(f"bidirectional attention (use_bidirectional_attention={bidirectional!r})")
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         found.append("ALiBi position biases")
     if getattr(config, "attention_chunk_size", None):
