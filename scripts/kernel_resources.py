@@ -36,6 +36,8 @@ MODELS = {
     "qwen2.5-7b": (28, 4, 128, None, None),
     "mistral-7b": (32, 8, 128, 4096, None),
     "gemma2-9b": (16, 8, 256, 4096, 50.0),
+    "gemma4-31b-window": (32, 16, 256, 1024, None),
+    "gemma4-31b-global": (32, 4, 512, None, None),
 }
 # path: (query tokens per sequence, forced KV splits)
 PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}

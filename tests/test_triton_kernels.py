@@ -73,6 +73,7 @@ DECODES = [(1, 1328), (1, 18), (1, 463), (1, 1), (0, 0)]
         (torch.float16, (5, 1), 128, 16, 100, 5.0, 1),
         (torch.float16, (4, 4), 64, 256, 100, None, 4),
         (torch.float32, (8, 2), 128, 16, None, None, 2),
+        (torch.float16, (8, 1), 512, 16, None, None, 1),  # Gemma 4's global layers: 32-row mixed tiles
     ])
 def test_mixed_batch_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
                                        block_size: int, window: int | None, softcap: float | None,
@@ -90,6 +91,7 @@ def test_mixed_batch_matches_reference(dtype: torch.dtype, heads: tuple[int, int
         (torch.float32, (4, 4), 128, 16, None, None),
         (torch.float16, (5, 1), 64, 256, 100, 5.0),
         (torch.float32, (8, 2), 128, 256, None, None),
+        (torch.float16, (8, 1), 512, 16, None, None),
     ])
 @pytest.mark.parametrize("splits", [1, 8])
 def test_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_dim: int,

@@ -31,14 +31,15 @@ def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
                   decode_only: bool, num_splits: int) -> LaunchConfig:
     """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'.
 
-    Fewer keys per step for head_dim 256 and for float32 (exact fp32 dots), and 8 warps for mixed
-    tiles: otherwise the tiles spill registers on sm_80/sm_90 (scripts/kernel_resources.py)."""
+    Fewer keys per step for head_dim 256 and for float32 (exact fp32 dots), fewer query rows for head_dim
+    512 (Gemma 4's global layers), and 8 warps for mixed tiles: otherwise the tiles spill registers on
+    sm_80/sm_90 (scripts/kernel_resources.py)."""
     group = num_heads // num_kv_heads
-    tile_n = 16 if dtype == torch.float32 else 32 if head_dim > 128 else 64
+    tile_n = 16 if dtype == torch.float32 or head_dim > 256 else 32 if head_dim > 128 else 64
     if decode_only:
         return LaunchConfig(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
                             tile_n=tile_n, num_splits=num_splits)
-    block_m = max(64, triton.next_power_of_2(group))
+    block_m = max(32 if head_dim > 256 else 64, triton.next_power_of_2(group))
     return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n,
                         num_splits=num_splits, num_warps=8, num_stages=3 if tile_n == 64 else 2)
 
