@@ -28,6 +28,7 @@ _GEMMA4 = {**_WINDOWED, "num_hidden_layers": 6, "layer_types": ["sliding_attenti
            "global_head_dim": 16, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
            "final_logit_softcapping": 3.0}
+_GEMMA4_UNIFIED = {k: v for k, v in _GEMMA4.items() if "per_layer_input" not in k}  # no per-layer inputs
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -147,6 +148,14 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                   "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8},
         "audio_config": None, "boi_token_id": 120, "eoi_token_id": 121, "image_token_id": 122,
         "video_token_id": 123, "boa_token_id": 124, "eoa_token_index": 125, "audio_token_id": 126}),
+    "gemma4_unified_text": (getattr(tf, "Gemma4UnifiedTextConfig", None), _GEMMA4_UNIFIED),
+    "gemma4_unified": (getattr(tf, "Gemma4UnifiedConfig", None), {"text_config": _GEMMA4_UNIFIED}),
+    # Gemma 3n: AltUp, Laurel, per-layer inputs, activation sparsity, KV sharing (the multimodal gemma3n needs timm)
+    "gemma3n_text": (tf.Gemma3nTextConfig, {
+        **_WINDOWED, "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "intermediate_size": [64] * 6, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+        "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+        "laurel_rank": 4, "altup_num_inputs": 2}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,

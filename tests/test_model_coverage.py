@@ -26,7 +26,7 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
             "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3",
             "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna",
-            "gemma4_text", "gemma4_text_moe", "gemma4"]
+            "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -165,10 +165,11 @@ def test_unverified_architecture_is_refused(tmp_path):
         make_engine(path)
 
 
-@pytest.mark.parametrize("config_class", [transformers.Qwen2_5_VLConfig, transformers.LlavaConfig])
+@pytest.mark.parametrize("config_class", [transformers.Qwen2_5_VLConfig, transformers.LlavaConfig,
+                                          transformers.Gemma3nConfig])
 def test_multimodal_model_is_refused_before_its_weights_load(tmp_path, config_class):
-    """A vision-language checkpoint of a type not verified text-only (Qwen2.5-VL, LLaVA) is refused from
-    its config alone."""
+    """A vision-language checkpoint of a type not verified text-only (Qwen2.5-VL, LLaVA, Gemma 3n, whose
+    vision tower needs timm) is refused from its config alone."""
     config_class().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"model type '{config_class.model_type}'.*multimodal"):
         make_engine(str(tmp_path))

@@ -26,7 +26,8 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "ministral3", "helium", "vaultgemma", "nemotron", "hunyuan_v1_dense", "gpt_bigcode", "nanochat", "cwm", "jais2",
     "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
     "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3", "exaone", "internlm3",
-    "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4"})
+    "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4",
+    "gemma4_unified_text", "gemma4_unified", "gemma3n_text"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
