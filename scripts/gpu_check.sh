@@ -4,8 +4,9 @@
 #     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
 #     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores,
-#     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), every accepted
-#     model family stays exact through captured decode graphs in float32, and the MoE families in
+#     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), a model whose layers
+#     have other K/V shapes (Gemma 4) gives the torch backend's tokens through the Triton kernels and
+#     graphs (tests/test_kv_cache.py), every accepted model family stays exact through captured decode graphs in float32, and the MoE families in
 #     bfloat16, the one dtype their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
@@ -33,7 +34,7 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
       'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
-    tests/test_memory.py tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
+    tests/test_memory.py tests/test_kv_cache.py tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16 \
     "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
