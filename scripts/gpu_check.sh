@@ -5,8 +5,9 @@
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
 #     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores,
 #     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), a model whose layers
-#     have other K/V shapes (Gemma 4) gives the torch backend's tokens through the Triton kernels and
-#     graphs (tests/test_kv_cache.py), every accepted model family stays exact through captured decode
+#     have other K/V shapes (Gemma 4), or keys wider than values (MLA), gives the torch backend's tokens
+#     through the Triton kernels and graphs (tests/test_kv_cache.py), every accepted model family stays
+#     exact through captured decode
 #     graphs in float32, and the MoE families in bfloat16, the one dtype their experts (torch._grouped_mm)
 #     capture in (tests/test_model_coverage.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;

@@ -38,6 +38,7 @@ MODELS = {
     "gemma2-9b": (16, 8, 256, 4096, 50.0),
     "gemma4-31b-window": (32, 16, 256, 1024, None),
     "gemma4-31b-global": (32, 4, 512, None, None),
+    "deepseek-v2-lite": (16, 16, 192, None, None),  # MLA: keys 128 + 64 wide, values padded to them
 }
 # path: (query tokens per sequence, forced KV splits)
 PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}

@@ -29,6 +29,12 @@ _GEMMA4 = {**_WINDOWED, "num_hidden_layers": 6, "layer_types": ["sliding_attenti
            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
            "final_logit_softcapping": 3.0}
 _GEMMA4_UNIFIED = {k: v for k, v in _GEMMA4.items() if "per_layer_input" not in k}  # no per-layer inputs
+_MLA = {**{k: v for k, v in _FOUR.items() if k != "head_dim"}, "num_key_value_heads": 4, "kv_lora_rank": 16,
+        "q_lora_rank": None, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8}
+_MLA_MOE = {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+_MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -156,6 +162,14 @@ ZOO: dict[str, tuple[type, dict]] = {
         "intermediate_size": [64] * 6, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
         "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
         "laurel_rank": 4, "altup_num_inputs": 2}),
+    # multi-head latent attention: keys (nope + rope parts) wider than values; DeepSeek-V3 with its YaRN scaling
+    "deepseek_v2": (tf.DeepseekV2Config, _MLA_MOE),
+    "deepseek_v3": (tf.DeepseekV3Config, {**_MLA_MOE, "rope_parameters": _MLA_YARN}),
+    "glm4_moe_lite": (tf.Glm4MoeLiteConfig, _MLA_MOE),
+    "sarvam_mla": (getattr(tf, "SarvamMLAConfig", None), _MLA_MOE),
+    "minicpm3": (tf.MiniCPM3Config, {**_MLA, "q_lora_rank": 16}),
+    # no pad id: transformers zeroes Youtu's padding row on load, whatever the checkpoint holds there
+    "youtu": (tf.YoutuConfig, {**_MLA, "q_lora_rank": 16, "pad_token_id": None}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
@@ -199,15 +213,6 @@ ZOO: dict[str, tuple[type, dict]] = {
     "gemma4_bidirectional": (getattr(tf, "Gemma4TextConfig", None), {**_GEMMA4, "use_bidirectional_attention": "all"}),
     "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
     "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "deepseek_v2": (tf.DeepseekV2Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
-                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                                          "n_routed_experts": 2, "num_experts_per_tok": 1,
-                                          "moe_intermediate_size": 16, "first_k_dense_replace": 1}),
-    "deepseek_v3": (tf.DeepseekV3Config, {**_LLAMA_LIKE, "kv_lora_rank": 16, "q_lora_rank": None,
-                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                                          "n_routed_experts": 2, "num_experts_per_tok": 1, "n_group": 1,
-                                          "topk_group": 1, "moe_intermediate_size": 16,
-                                          "first_k_dense_replace": 1}),
 }
 
 

@@ -67,11 +67,12 @@ def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_di
 
 @pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton needs CUDA or its interpreter")
-def test_triton_kernels_serve_layers_of_other_shapes(zoo_dir):
-    """Per-layer head sizes and counts through the Triton kernels, decode graphs (captured on a GPU) included:
-    the torch backend's tokens."""
+@pytest.mark.parametrize("name", ["gemma4_text", "deepseek_v2"])
+def test_triton_kernels_serve_layers_of_other_shapes(zoo_dir, name):
+    """Per-layer head sizes and counts (Gemma 4), or values padded to the keys' head size of 12 (MLA),
+    through the Triton kernels, decode graphs (captured on a GPU) included: the torch backend's tokens."""
     pytest.importorskip("triton")
-    path = zoo_dir("gemma4_text")
+    path = zoo_dir(name)
     prompts = random_prompts(4, 128, (5, 30), seed=42)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
     config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")

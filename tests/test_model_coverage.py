@@ -26,7 +26,8 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "nanochat", "cwm", "jais2", "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe",
             "glm4_moe", "flex_olmo", "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3",
             "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna",
-            "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text"]
+            "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
+            "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -34,7 +35,7 @@ REFUSED = {
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
-    "deepseek_v2": "latent attention", "deepseek_v3": "latent attention", "doge": "dynamic mask attention",
+    "doge": "dynamic mask attention",
     "granite_swa": "attention sinks", "gpt_oss": "attention sinks",
     "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }

@@ -27,7 +27,8 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "granitemoe", "granitemoeshared", "phimoe", "hunyuan_v1_moe", "ernie4_5_moe", "glm4_moe", "flex_olmo",
     "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3", "exaone", "internlm3",
     "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4",
-    "gemma4_unified_text", "gemma4_unified", "gemma3n_text"})
+    "gemma4_unified_text", "gemma4_unified", "gemma3n_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
+    "sarvam_mla", "minicpm3", "youtu"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -43,7 +44,6 @@ _REFUSED_MODEL_TYPES = {
     "gpt_oss": "attention sinks (s_aux)", "granite_swa": "attention sinks (s_aux)",
     "granitemoe_swa": "attention sinks (s_aux)",
     "doge": "dynamic mask attention (a bias computed from the values)",
-    "deepseek_v2": "multi-head latent attention (MLA)", "deepseek_v3": "multi-head latent attention (MLA)",
 }
 
 
@@ -124,7 +124,8 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
     """Each layer's KV heads and head size, and whose K/V it reads, from a two-token probe forward.
 
     Raises `ValueError` unless every decoder layer calls our attention exactly once with K and V of
-    one shape (so hybrid layers, MLA and attention outside the interface are refused). A layer handed
+    one shape (values narrower than keys, as in multi-head latent attention, arrive padded), so hybrid
+    layers and attention outside the interface are refused. A layer handed
     the very K/V tensors an earlier layer computed (KV sharing) reads that layer's cache.
     """
     probe = _ShapeProbe()

@@ -44,9 +44,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects one packed sequence, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _backend.forward(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                           value[0].transpose(0, 1), scale, sliding_window, softcap)
-    return out[None], None
+    q, k, v = _same_head_size(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = _backend.forward(module.layer_idx, q, k, v, scale, sliding_window, softcap)
+    return out[None, ..., :value.shape[-1]], None
+
+
+def _same_head_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q/k and v zero-padded to one head size, when they differ (multi-head latent attention: K is
+    wider than V): zeros add nothing to the scores, and the output's extra columns are cut off."""
+    size = max(k.shape[-1], v.shape[-1])
+    return tuple(x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1])) for x in (q, k, v))
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
