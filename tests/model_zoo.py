@@ -162,6 +162,14 @@ ZOO: dict[str, tuple[type, dict]] = {
         "intermediate_size": [64] * 6, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
         "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
         "laurel_rank": 4, "altup_num_inputs": 2}),
+    # absent from transformers 5.17: their tests skip there
+    "apertus1p5_text": (getattr(tf, "Apertus1p5TextConfig", None), _FOUR),
+    "kolibri1": (getattr(tf, "Kolibri1Config", None), {
+        **_WINDOWED, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "minimax_m3_vl_text": (getattr(tf, "MiniMaxM3VLTextConfig", None), {**_FOUR, "num_local_experts": 4,
+                                                                       "num_experts_per_tok": 2}),
+    "sarvam_moe": (getattr(tf, "SarvamMoEConfig", None), {**_FOUR, **_MOE, "n_routed_experts": 4}),
     # multi-head latent attention: keys (nope + rope parts) wider than values; DeepSeek-V3 with its YaRN scaling
     "deepseek_v2": (tf.DeepseekV2Config, _MLA_MOE),
     "deepseek_v3": (tf.DeepseekV3Config, {**_MLA_MOE, "rope_parameters": _MLA_YARN}),
