@@ -30,15 +30,16 @@ from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.triton_backend import TritonBackend
 from workers.engine.kv_cache import KvCache
 
-# name: (query heads, KV heads, head_dim, sliding window, logit softcap)
+# name: (query heads, KV heads, head_dim, sliding window, logit softcap, attention sinks)
 MODELS = {
-    "llama3-8b": (32, 8, 128, None, None),
-    "qwen2.5-7b": (28, 4, 128, None, None),
-    "mistral-7b": (32, 8, 128, 4096, None),
-    "gemma2-9b": (16, 8, 256, 4096, 50.0),
-    "gemma4-31b-window": (32, 16, 256, 1024, None),
-    "gemma4-31b-global": (32, 4, 512, None, None),
-    "deepseek-v2-lite": (16, 16, 192, None, None),  # MLA: keys 128 + 64 wide, values padded to them
+    "llama3-8b": (32, 8, 128, None, None, False),
+    "qwen2.5-7b": (28, 4, 128, None, None, False),
+    "mistral-7b": (32, 8, 128, 4096, None, False),
+    "gemma2-9b": (16, 8, 256, 4096, 50.0, False),
+    "gemma4-31b-window": (32, 16, 256, 1024, None, False),
+    "gemma4-31b-global": (32, 4, 512, None, None, False),
+    "deepseek-v2-lite": (16, 16, 192, None, None, False),  # MLA: keys 128 + 64 wide, values padded to them
+    "gpt-oss-20b": (64, 8, 64, 128, None, True),
 }
 # path: (query tokens per sequence, forced KV splits)
 PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}
@@ -90,7 +91,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
     """One layer's forward of a two-sequence step through TritonBackend, compiled only."""
-    heads, kv_heads, head_dim, window, softcap = MODELS[model]
+    heads, kv_heads, head_dim, window, softcap, sinks = MODELS[model]
     q_len, splits = PATHS[path]
     block_size, seqs = 16, 2
     cache = torch.zeros(1, 2, 8, block_size, kv_heads, head_dim, dtype=dtype)
@@ -103,7 +104,7 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
     backend.prepare_metadata(meta)
     q = torch.zeros(seqs * q_len, heads, head_dim, dtype=dtype)
     k = torch.zeros(seqs * q_len, kv_heads, head_dim, dtype=dtype)
-    backend.forward(0, q, k, k, head_dim ** -0.5, window, softcap)
+    backend.forward(0, q, k, k, head_dim ** -0.5, window, softcap, torch.zeros(heads, dtype=dtype) if sinks else None)
 
 
 def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:

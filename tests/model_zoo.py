@@ -170,6 +170,17 @@ ZOO: dict[str, tuple[type, dict]] = {
     "minimax_m3_vl_text": (getattr(tf, "MiniMaxM3VLTextConfig", None), {**_FOUR, "num_local_experts": 4,
                                                                        "num_experts_per_tok": 2}),
     "sarvam_moe": (getattr(tf, "SarvamMoEConfig", None), {**_FOUR, **_MOE, "n_routed_experts": 4}),
+    # attention sinks (a learned logit per head in every softmax); MiMo-V2-Flash's values are narrower than its keys
+    "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
+    "granitemoe_swa": (tf.GraniteMoeSWAConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mimo_v2_flash": (tf.MiMoV2FlashConfig, {
+        **_WINDOWED, "head_dim": 12, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}),
+    "flint": (getattr(tf, "FlintConfig", None), {
+        **_WINDOWED, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16, "mlp_only_layers": [0],
+        "layer_types": ["full_attention", "sliding_attention"] * 2}),
     # multi-head latent attention: keys (nope + rope parts) wider than values; DeepSeek-V3 with its YaRN scaling
     "deepseek_v2": (tf.DeepseekV2Config, _MLA_MOE),
     "deepseek_v3": (tf.DeepseekV3Config, {**_MLA_MOE, "rope_parameters": _MLA_YARN}),
@@ -219,8 +230,6 @@ ZOO: dict[str, tuple[type, dict]] = {
     # bidirectional attention everywhere (embedding models such as EmbeddingGemma)
     "gemma3_bidirectional": (tf.Gemma3TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "use_bidirectional_attention": True}),
     "gemma4_bidirectional": (getattr(tf, "Gemma4TextConfig", None), {**_GEMMA4, "use_bidirectional_attention": "all"}),
-    "granite_swa": (tf.GraniteSWAConfig, _WINDOWED),
-    "gpt_oss": (tf.GptOssConfig, {**_WINDOWED, "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 

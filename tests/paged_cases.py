@@ -53,7 +53,7 @@ def random_step(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: 
 
 def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata, q: torch.Tensor,
                              k: torch.Tensor, v: torch.Tensor, window: int | None,
-                             softcap: float | None) -> None:
+                             softcap: float | None, sinks: torch.Tensor | None = None) -> None:
     """Layer 1 of `backend` (in q's dtype) against the torch reference (in float32 from the same
     rounded inputs and cache): outputs within the dtype's tolerance, caches equal after the store."""
     reference = TorchBackend(KvCache.of(backend.kv_cache.tensors[0].to(torch.float32, copy=True)))
@@ -61,7 +61,7 @@ def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata,
     for each, dt in ((reference, torch.float32), (backend, q.dtype)):
         each.prepare_metadata(meta)
         outputs.append(each.forward(1, q.to(dt), k.to(dt), v.to(dt), q.shape[2] ** -0.5, window,
-                                    softcap).float())
+                                    softcap, None if sinks is None else sinks.to(dt)).float())
     valid = int(meta.cu_seqlens_q[-1])
     tolerance = TOLERANCE[q.dtype]
     torch.testing.assert_close(outputs[1][:valid], outputs[0][:valid], atol=tolerance, rtol=tolerance)

@@ -85,3 +85,14 @@ def test_flash_attn_backend_matches_reference(monkeypatch: pytest.MonkeyPatch, p
     backend.kv_cache = KvCache.of(cache)  # the device check is passed; compute on the plain CPU tensor
     assert_matches_reference(backend, meta, q, k, v, window, softcap)
     assert calls == [entry]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the stand-in replaces flash-attn on CPU only")
+def test_flash_attn_refuses_attention_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn 2 has no sinks: a layer with them raises, which refuses the model at its warm-up step."""
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn([]))
+    meta, cache, q, k, v = random_step([(1, 18)], (8, 2), 64, 256, 0, "cpu", torch.float16)
+    backend = FlashAttnBackend(KvCache.of(cache.as_subclass(CudaLooking)))
+    backend.prepare_metadata(meta)
+    with pytest.raises(NotImplementedError, match="attention sinks.*attention_backend='triton'"):
+        backend.forward(1, q, k, v, 0.125, None, None, torch.zeros(8, dtype=q.dtype))

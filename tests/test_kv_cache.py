@@ -67,10 +67,11 @@ def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_di
 
 @pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton needs CUDA or its interpreter")
-@pytest.mark.parametrize("name", ["gemma4_text", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["gemma4_text", "mimo_v2_flash"])
 def test_triton_kernels_serve_layers_of_other_shapes(zoo_dir, name):
-    """Per-layer head sizes and counts (Gemma 4), or values padded to the keys' head size of 12 (MLA),
-    through the Triton kernels, decode graphs (captured on a GPU) included: the torch backend's tokens."""
+    """Per-layer head sizes and counts (Gemma 4; MiMo-V2-Flash, whose values are also padded to its keys'
+    head size of 12 and whose heads have attention sinks) through the Triton kernels, decode graphs
+    (captured on a GPU) included: the torch backend's tokens."""
     pytest.importorskip("triton")
     path = zoo_dir(name)
     prompts = random_prompts(4, 128, (5, 30), seed=42)

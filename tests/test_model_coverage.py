@@ -28,7 +28,8 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "exaone", "internlm3", "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna",
             "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text",
-            "kolibri1", "minimax_m3_vl_text", "sarvam_moe"]
+            "kolibri1", "minimax_m3_vl_text", "sarvam_moe", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
+            "flint"]
 REFUSED = {
     "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
     "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
@@ -37,7 +38,6 @@ REFUSED = {
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent", "mamba": "Mamba",
     "doge": "dynamic mask attention",
-    "granite_swa": "attention sinks", "gpt_oss": "attention sinks",
     "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }
 MOE = [name for name in ACCEPTED if any("experts" in key for key in ZOO[name][1])]

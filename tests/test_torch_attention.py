@@ -1,4 +1,4 @@
-"""The torch paged attention against a naive per-token softmax, with windows, softcap and GQA."""
+"""The torch paged attention against a naive per-token softmax, with windows, softcap, sinks and GQA."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from workers.engine.attention.torch_backend import TorchBackend
 from workers.engine.kv_cache import KvCache
 
 
-def naive(q, keys, values, q_pos, scale, window, softcap):
+def naive(q, keys, values, q_pos, scale, window, softcap, sinks=None):
     """One query row against one sequence's keys, every head, the slow and obvious way."""
     h_q, h_kv = q.shape[0], keys.shape[1]
     out = torch.empty_like(q)
@@ -25,15 +25,18 @@ def naive(q, keys, values, q_pos, scale, window, softcap):
         if window:
             allowed &= pos > q_pos - window
         s[~allowed] = float("-inf")
-        out[h] = torch.softmax(s, 0) @ values[:, h // (h_q // h_kv)]
+        if sinks is not None:
+            s = torch.cat([s, sinks[h:h + 1]])
+        out[h] = torch.softmax(s, 0)[:len(keys)] @ values[:, h // (h_q // h_kv)]
     return out
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0), (6, 2.0)])
+@pytest.mark.parametrize("window, softcap, with_sinks", [(None, None, False), (3, None, False), (None, 5.0, False),
+                                                        (6, 2.0, False), (None, None, True), (3, 2.0, True)])
 @pytest.mark.parametrize("h_q, h_kv", [(4, 4), (8, 2), (5, 1)])
 @pytest.mark.parametrize("chunk_blocks, num_groups", [(1 << 20, 2), (0, 5), (6, 4)],
                          ids=["one_group", "group_per_row", "six_blocks"])
-def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_blocks, num_groups):
+def test_torch_backend_matches_naive(window, softcap, with_sinks, h_q, h_kv, chunk_blocks, num_groups):
     """Decodes and prefills apart, each sorted by length into groups of at most `chunk_blocks` gathered
     blocks per row group: six blocks put the decodes of 1 and 9 keys together (in reversed order)."""
     torch.manual_seed(0)
@@ -53,17 +56,18 @@ def test_torch_backend_matches_naive(window, softcap, h_q, h_kv, chunk_blocks, n
     new_k = torch.cat([keys[b][k - q:] for b, (q, k) in enumerate(pairs)])
     new_v = torch.cat([values[b][k - q:] for b, (q, k) in enumerate(pairs)])
     q = torch.randn(len(new_k), h_q, d)
+    sinks = torch.randn(h_q) * 3 if with_sinks else None
     cu = torch.tensor([0, *itertools.accumulate(q for q, _ in pairs)], dtype=torch.int32)
     backend = TorchBackend(KvCache.of(kv))
     backend.chunk_bytes = chunk_blocks * bs * h_kv * d * kv.element_size()
     backend.prepare_metadata(AttentionMetadata(torch.tensor(slots), cu, torch.tensor([k for _, k in pairs],
                                                dtype=torch.int32), tables, 7, 20))
     assert len(backend.groups) == num_groups
-    out = backend.forward(0, q, new_k, new_v, 0.3, window, softcap)
+    out = backend.forward(0, q, new_k, new_v, 0.3, window, softcap, sinks)
     for b, (q_len, k_len) in enumerate(pairs):
         for i in range(q_len):
             t = int(cu[b]) + i
-            want = naive(q[t], keys[b], values[b], k_len - q_len + i, 0.3, window, softcap)
+            want = naive(q[t], keys[b], values[b], k_len - q_len + i, 0.3, window, softcap, sinks)
             torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
 
 

@@ -43,13 +43,14 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 def run_both(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
              dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None,
-             pad_tokens: int = 0, num_sms: int | None = None) -> None:
+             pad_tokens: int = 0, num_sms: int | None = None, sinks: bool = False) -> None:
     """One layer through TritonBackend (in `dtype`) against the torch reference; `splits` None lets
-    the heuristic choose (and it must split); `num_sms` pretends a GPU size."""
+    the heuristic choose (and it must split); `num_sms` pretends a GPU size; `sinks` adds attention sinks."""
     meta, cache, q, k, v = random_step(pairs, heads, head_dim, block_size, pad_tokens, DEVICE, dtype)
     backend = TritonBackend(KvCache.of(cache), splits)
     backend.num_sms = num_sms or backend.num_sms
-    assert_matches_reference(backend, meta, q, k, v, window, softcap)
+    sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(5)).to(DEVICE) * 3 if sinks else None
+    assert_matches_reference(backend, meta, q, k, v, window, softcap, sink_logits)
     if splits is None:
         assert backend.num_splits > 1
 
@@ -99,6 +100,13 @@ def test_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, int], he
                                   splits: int) -> None:
     """A decode-only step (one-token tiles) with a padding sequence, single-pass and split-KV."""
     run_both(DECODES, heads, head_dim, block_size, dtype, window, softcap, splits, pad_tokens=2)
+
+
+@pytest.mark.parametrize("pairs", [MIXED, DECODES], ids=["mixed", "decode"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_sinks_match_reference(pairs: list[tuple[int, int]], splits: int) -> None:
+    """A sink logit per query head joins the softmax once: in the single pass, or in the split merge."""
+    run_both(pairs, (8, 2), 64, 16, torch.float32, 100, None, splits, pad_tokens=2, sinks=True)
 
 
 def test_split_path_chosen_in_prepare_metadata() -> None:

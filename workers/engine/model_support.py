@@ -28,7 +28,8 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "cohere2_moe", "exaone_moe", "afmoe", "solar_open", "dots1", "mellum", "gemma3", "exaone", "internlm3",
     "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4",
     "gemma4_unified_text", "gemma4_unified", "gemma3n_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-    "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text", "kolibri1", "minimax_m3_vl_text", "sarvam_moe"})
+    "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text", "kolibri1", "minimax_m3_vl_text", "sarvam_moe",
+    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -41,8 +42,6 @@ _REFUSED_MODEL_TYPES = {
     "jamba": "state-space (Mamba) layers", "bamba": "state-space (Mamba) layers",
     "granitemoehybrid": "state-space (Mamba) layers",
     "falcon_h1": "state-space (Mamba) mixers beside attention", "recurrent_gemma": "recurrent (RG-LRU) layers",
-    "gpt_oss": "attention sinks (s_aux)", "granite_swa": "attention sinks (s_aux)",
-    "granitemoe_swa": "attention sinks (s_aux)",
     "doge": "dynamic mask attention (a bias computed from the values)",
 }
 
@@ -113,7 +112,7 @@ class _ShapeProbe(AttentionBackend):
         self.calls: list[tuple[int | None, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Record the call; the output's values do not matter."""
         self.calls.append((layer, k, v))
         return torch.zeros_like(q)

@@ -29,7 +29,8 @@ def set_backend(backend: AttentionBackend | None) -> None:
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, sliding_window: int | None = None,
-                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend."""
     unsupported = sorted(k for k, v in kwargs.items()
                          if v is not None and v is not False and k not in _IGNORED_KWARGS)
@@ -45,7 +46,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         raise ValueError(f"paged attention expects one packed sequence, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = _same_head_size(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = _backend.forward(module.layer_idx, q, k, v, scale, sliding_window, softcap)
+    out = _backend.forward(module.layer_idx, q, k, v, scale, sliding_window, softcap, s_aux)
     return out[None, ..., :value.shape[-1]], None
 
 

@@ -60,6 +60,7 @@ class AttentionBackend:
         return []
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> attention output `[T, Hq, D]`."""
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> attention output `[T, Hq, D]`. `sinks` `[Hq]`: per query head,
+        a logit that joins every softmax's denominator but has no value (attention sinks, gpt-oss)."""
         raise NotImplementedError

@@ -67,8 +67,10 @@ class FlashAttnBackend(AttentionBackend):
         return ()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
+        if sinks is not None:
+            raise NotImplementedError("attention sinks, which flash-attn 2 lacks (use attention_backend='triton')")
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)

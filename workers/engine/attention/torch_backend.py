@@ -87,8 +87,9 @@ class _DecodeGroup(_Group):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                     scale: float, sliding_window: int | None, softcap: float | None,
-                    out: torch.Tensor) -> None:
-    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`.
+                    out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`. A sink logit per
+    query head joins each softmax as one more column, dropped after.
 
     Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
     views, so no per-token gather or transposed copy of the cache is made.
@@ -108,7 +109,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.view(rows, g, max_q, -1).masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(rows, g * max_q, -1)
+        if sinks is not None:
+            sink = sinks[h * g:(h + 1) * g].to(scores.dtype).view(1, g, 1, 1).expand(rows, g, max_q, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = (probs[..., :-1] if sinks is not None else probs).reshape(rows, g * max_q, -1)
         res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, d).transpose(1, 2)
     group.scatter(out, res.view(rows, max_q, h_q, d))
 
@@ -168,11 +173,11 @@ class TorchBackend(AttentionBackend):
         return cdiv(seq_len, self.block_size) * self.block_bytes
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend group by group."""
         k_cache, v_cache = self.kv_cache.layers[layer]
         store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
         out = torch.empty_like(q)
         for group in self.groups:
-            paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out)
+            paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out, sinks)
         return out

@@ -89,7 +89,7 @@ class TritonBackend(AttentionBackend):
         return [MIN_SPLIT_TOKENS << i for i in range(top.bit_length())]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
@@ -97,4 +97,4 @@ class TritonBackend(AttentionBackend):
         config = launch_config(q.shape[1], k.shape[1], q.shape[2], q.dtype, self.decode_only,
                                self.num_splits)
         return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
-                               meta.cu_seqlens_q, scale, sliding_window, softcap, config)
+                               meta.cu_seqlens_q, scale, sliding_window, softcap, config, sinks)

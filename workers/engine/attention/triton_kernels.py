@@ -7,6 +7,8 @@ feeds `tl.dot` with `G` rows. Programs map to (sequence, tile) by a binary searc
 `cu_seqlens_q`, so every launch grid follows from tensor shapes and compile-time constants only
 (CUDA-graph safe). With `num_splits > 1` each program covers one segment of the keys and writes a
 partial result (unnormalised accumulator, running max, running sum); a second kernel merges them.
+Attention sinks (a logit per query head in every softmax's denominator, with no value) join once, where
+the softmax is normalised: in the single pass, or in the merge.
 Scores, softmax statistics and accumulators are float32 whatever the input dtype (fp32/fp16/bf16).
 The batch size and the block-table width change from step to step, so they are not specialized on
 (Triton compiles a variant per integer that is 1, a multiple of 16, or neither): a new one would stall
@@ -118,6 +120,14 @@ def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr
 
 
 @triton.jit
+def _add_sink(acc, m_i, l_i, sink):
+    """Fold a sink logit (log2 units, like `m_i`) into an unnormalised softmax: (acc, sum) rescaled to it."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_new)
+
+
+@triton.jit
 def _key_range(seq_len, q_len, tile, window, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
                NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
     """This program's keys [lo, hi): of those any query of the tile may see (lo aligned down to
@@ -135,12 +145,12 @@ def _key_range(seq_len, q_len, tile, window, BLOCK_Q: tl.constexpr, TILE_N: tl.c
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
-        part_acc_ptr, part_stats_ptr, scale, softcap, window, num_seqs, stride_qt, stride_qh,
+        part_acc_ptr, part_stats_ptr, sinks_ptr, scale, softcap, window, num_seqs, stride_qt, stride_qh,
         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
-        USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+        USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_q_ptr, pid, num_seqs, BLOCK_Q)
@@ -167,6 +177,9 @@ def _paged_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt, stride_cb, stride_cs, dims, dim_ok,
         BLOCK_M, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, PRECISION)
     if NUM_SPLITS == 1:
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            acc, l_i = _add_sink(acc, m_i, l_i, sink)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -186,9 +199,9 @@ def _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dim
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
-def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, cu_q_ptr, num_seqs, stride_ot,
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, sinks_ptr, cu_q_ptr, num_seqs, stride_ot,
                          stride_oh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, USE_SINKS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(cu_q_ptr + num_seqs):
@@ -199,11 +212,16 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, cu_q_ptr, num_se
     m = tl.load(part_stats_ptr + part * 2)
     l_s = tl.load(part_stats_ptr + part * 2 + 1)
     m_max = tl.max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m_max = tl.maximum(m_max, sink)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :],
                   other=0.0)
     num = tl.sum(acc * weight[:, None], 0)
     den = tl.sum(l_s * weight, 0)
+    if USE_SINKS:
+        den += tl.exp2(sink - m_max)
     out = num / tl.where(den == 0.0, 1.0, den)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -227,8 +245,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     scale: float, sliding_window: int | None, softcap: float | None,
-                    config: LaunchConfig) -> torch.Tensor:
-    """Causal attention of packed queries `[T, Hq, D]` over each sequence's cached blocks."""
+                    config: LaunchConfig, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed queries `[T, Hq, D]` over each sequence's cached blocks; `sinks` `[Hq]`
+    are attention-sink logits."""
     q = _last_dim_contiguous(q)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
@@ -245,17 +264,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_pad = max(16, triton.next_power_of_2(head_dim))
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, part_acc, part_stats,
-        scale, softcap or 0.0, sliding_window or 0, num_seqs, q.stride(0), q.stride(1),
+        out if sinks is None else sinks, scale, softcap or 0.0, sliding_window or 0, num_seqs, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
         TILE_N=config.tile_n, NUM_SPLITS=splits, USE_WINDOW=bool(sliding_window),
-        USE_SOFTCAP=bool(softcap), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        USE_SOFTCAP=bool(softcap), USE_SINKS=sinks is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
+        num_stages=config.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_stats, cu_seqlens_q, num_seqs, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=splits)
+            out, part_acc, part_stats, out if sinks is None else sinks, cu_seqlens_q, num_seqs,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=splits,
+            USE_SINKS=sinks is not None)
     return out
 
 
