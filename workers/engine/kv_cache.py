@@ -33,7 +33,7 @@ class KvLayout(NamedTuple):
 
 
 class KvCache:
-    """`layer(i)` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; block copies
+    """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; block copies
     and gathers act on every tensor at once."""
 
     def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int]]) -> None:
