@@ -7,9 +7,8 @@
 #     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), a model whose layers
 #     have other K/V shapes (Gemma 4), or keys wider than values (MLA), gives the torch backend's tokens
 #     through the Triton kernels and graphs (tests/test_kv_cache.py), every accepted model family stays
-#     exact through captured decode
-#     graphs in float32, and the MoE families in bfloat16, the one dtype their experts (torch._grouped_mm)
-#     capture in (tests/test_model_coverage.py);
+#     exact through captured decode graphs in float32, and the MoE families in bfloat16, the one dtype
+#     their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no

@@ -24,6 +24,7 @@ def test_each_shape_gets_a_tensor_and_a_layer_reusing_kv_takes_no_memory(zoo_dir
     cache = runner.kv_cache
     assert [tuple(t.shape) for t in cache.tensors] == [(2, 2, 16, BLOCK, 2, 8), (2, 2, 16, BLOCK, 1, 16)]
     assert cache.layers[4].data_ptr() == cache.layers[2].data_ptr() != cache.layers[0].data_ptr()
+    assert cache.stores == [True] * 4 + [False] * 2, "a layer reusing K/V does not store them again"
     assert runner.bytes_per_block == cache.nbytes // 16 == 4 * 2 * BLOCK * 16 * 4
 
 

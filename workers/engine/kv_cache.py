@@ -21,11 +21,6 @@ class KvLayout(NamedTuple):
     shapes: tuple[tuple[int, int], ...]
     owners: tuple[int, ...]
 
-    @property
-    def num_layers(self) -> int:
-        """Decoder layers calling paged attention."""
-        return len(self.shapes)
-
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block of `block_size` tokens takes across every layer that owns its K/V."""
         elements = sum(2 * h * d for layer, (h, d) in enumerate(self.shapes) if self.owners[layer] == layer)
@@ -33,21 +28,23 @@ class KvLayout(NamedTuple):
 
 
 class KvCache:
-    """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; block copies
-    and gathers act on every tensor at once."""
+    """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; `stores[i]` is
+    False for a layer reusing an earlier layer's K/V, which that layer has stored already. Block copies and
+    gathers act on every tensor at once."""
 
     def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int]]) -> None:
         self.tensors = tensors
         self.layers = [tensors[t][i] for t, i in index]
+        self.stores = [index.index(place) == layer for layer, place in enumerate(index)]
         self.num_blocks, self.block_size = tensors[0].shape[2:4]
 
     @classmethod
     def allocate(cls, layout: KvLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> KvCache:
         """A zeroed cache of `num_blocks` blocks for `layout`: one tensor per K/V shape, in layer order."""
-        shapes = list(dict.fromkeys(s for layer, s in enumerate(layout.shapes) if layout.owners[layer] == layer))
-        owned = [[layer for layer, s in enumerate(layout.shapes) if layout.owners[layer] == layer and s == shape]
-                 for shape in shapes]
+        own = [layer for layer, owner in enumerate(layout.owners) if owner == layer]
+        shapes = list(dict.fromkeys(layout.shapes[layer] for layer in own))
+        owned = [[layer for layer in own if layout.shapes[layer] == shape] for shape in shapes]
         place = {layer: (t, i) for t, layers in enumerate(owned) for i, layer in enumerate(layers)}
         tensors = [torch.zeros(len(layers), 2, num_blocks, block_size, *shape, dtype=dtype, device=device)
                    for layers, shape in zip(owned, shapes)]
@@ -77,6 +74,11 @@ class KvCache:
     def nbytes(self) -> int:
         """Bytes the cache takes."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across every tensor."""
+        return self.nbytes // self.num_blocks
 
     @property
     def max_kv_heads(self) -> int:

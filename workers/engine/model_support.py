@@ -151,8 +151,10 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
 
 def _owners(calls: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
     """Per layer, the first layer whose K and V are the same tensors as its own."""
+    def storage(k: torch.Tensor, v: torch.Tensor) -> tuple:
+        return k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride()
+
     first: dict[tuple, int] = {}
     for layer, k, v in calls:
-        first.setdefault((k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride()), layer)
-    return tuple(first[(k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride())]
-                 for _, k, v in calls)
+        first.setdefault(storage(k, v), layer)
+    return tuple(first[storage(k, v)] for _, k, v in calls)

@@ -51,10 +51,10 @@ class CpuPool:
 
     def __init__(self, kv_cache: KvCache, gib: float) -> None:
         self.kv_cache = kv_cache
-        shapes = [(*t.shape[:2], *t.shape[3:]) for t in kv_cache.tensors]
-        self.bytes_per_block = sum(int(np.prod(s)) for s in shapes) * kv_cache.dtype.itemsize
+        self.bytes_per_block = kv_cache.bytes_per_block
         self.num_blocks = cpu_pool_blocks(gib, self.bytes_per_block)
-        self.blocks = [pinned_empty((self.num_blocks, *s), kv_cache.dtype, kv_cache.device) for s in shapes]
+        self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)
+                       for t in kv_cache.tensors]
         self.free: deque[int] = deque(range(self.num_blocks))
         self.staging = Staging(kv_cache.device)
         self.stream = torch.cuda.Stream(kv_cache.device) if kv_cache.is_cuda else None

@@ -68,12 +68,14 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
+        """Store this step's k/v into layer `layer`'s cache (unless an earlier layer stored them), then attend;
+        returns `[T, Hq, D]`."""
         if sinks is not None:
             raise NotImplementedError("attention sinks, which flash-attn 2 lacks (use attention_backend='triton')")
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.kv_cache.stores[layer]:
+            self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,

@@ -127,7 +127,7 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_cache: KvCache) -> None:
         super().__init__(kv_cache)
-        self.block_bytes = max(layer[0, 0].numel() for layer in kv_cache.layers) * kv_cache.dtype.itemsize
+        self.block_bytes = max(t[0, 0, 0].numel() for t in kv_cache.tensors) * kv_cache.dtype.itemsize
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and group its sequences into row groups of bounded K/V size: sorted
@@ -174,9 +174,11 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Store this step's k/v into layer `layer`'s cache, then attend group by group."""
+        """Store this step's k/v into layer `layer`'s cache (unless an earlier layer stored them), then attend
+        group by group."""
         k_cache, v_cache = self.kv_cache.layers[layer]
-        store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
+        if self.kv_cache.stores[layer]:
+            store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
         out = torch.empty_like(q)
         for group in self.groups:
             paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out, sinks)

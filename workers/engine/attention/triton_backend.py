@@ -90,10 +90,12 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Store this step's k/v into layer `layer`'s cache, then attend; returns `[T, Hq, D]`."""
+        """Store this step's k/v into layer `layer`'s cache (unless an earlier layer stored them), then attend;
+        returns `[T, Hq, D]`."""
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.kv_cache.stores[layer]:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         config = launch_config(q.shape[1], k.shape[1], q.shape[2], q.dtype, self.decode_only,
                                self.num_splits)
         return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
