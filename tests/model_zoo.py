@@ -35,6 +35,10 @@ _MLA_MOE = {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_interm
             "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 _MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
              "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+_LINEAR_FULL = ["linear_attention", "full_attention"]
+_DELTA = {"layer_types": _LINEAR_FULL, "linear_num_value_heads": 4, "linear_num_key_heads": 2,  # Gated DeltaNet
+          "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32}
 _LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5],
              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 32}
 
@@ -189,23 +193,51 @@ ZOO: dict[str, tuple[type, dict]] = {
     "minicpm3": (tf.MiniCPM3Config, {**_MLA, "q_lora_rank": 16}),
     # no pad id: transformers zeroes Youtu's padding row on load, whatever the checkpoint holds there
     "youtu": (tf.YoutuConfig, {**_MLA, "q_lora_rank": 16, "pad_token_id": None}),
+    # linear-attention and state-space hybrids, their state kept per sequence (workers/engine/recurrent.py)
+    "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, **_DELTA, "head_dim": 8, "num_experts": 2,
+                                        "num_experts_per_tok": 1, "moe_intermediate_size": 16}),
+    "qwen3_5_text": (tf.Qwen3_5TextConfig, {**_LLAMA_LIKE, **_DELTA, "head_dim": 8}),
+    "qwen3_5_moe_text": (tf.Qwen3_5MoeTextConfig, {**_LLAMA_LIKE, **_DELTA, **_MOE, "head_dim": 8, "num_experts": 4,
+                                                   "shared_expert_intermediate_size": 16}),
+    # Qwen3.5's checkpoints: the vision-language model, served text-only
+    "qwen3_5": (tf.Qwen3_5Config, {"text_config": {**_LLAMA_LIKE, **_DELTA, "head_dim": 8},
+                                   "vision_config": _QWEN_VISION}),
+    "qwen3_5_moe": (tf.Qwen3_5MoeConfig, {"text_config": {**_LLAMA_LIKE, **_DELTA, **_MOE, "head_dim": 8,
+                                                          "num_experts": 4, "shared_expert_intermediate_size": 16},
+                                          "vision_config": _QWEN_VISION}),
+    "olmo_hybrid": (getattr(tf, "OlmoHybridConfig", None), {**_LLAMA_LIKE, **_DELTA, "pad_token_id": 0,
+                                                             "linear_value_head_dim": 16}),
+    "kimi_linear": (tf.KimiLinearConfig, {**_LLAMA_LIKE, "pad_token_id": 0, "layer_types": _LINEAR_FULL,
+                                          "mlp_layer_types": ["dense", "sparse"], "num_experts": 4,
+                                          "num_experts_per_token": 2, "moe_intermediate_size": 16,
+                                          "linear_head_dim": 8, "linear_num_heads": 4, "num_key_value_heads": 4,
+                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                          "kv_lora_rank": 16, "q_lora_rank": None}),
+    "lara_mini": (getattr(tf, "LaraMiniConfig", None), {
+        **_WINDOWED, **_DELTA, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16,
+        "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]}),
+    "bailing_hybrid": (getattr(tf, "BailingHybridConfig", None), {
+        **_MLA_MOE, "layer_types": _LINEAR_FULL * 2, "layer_group_size": 2, "num_experts": 4,
+        "num_experts_per_token": 2, "num_expert_group": 1, "num_nextn_predict_layers": 0}),
+    "lfm2": (tf.Lfm2Config, {**_LLAMA_LIKE, "layer_types": ["conv", "full_attention"]}),
+    "lfm2_moe": (tf.Lfm2MoeConfig, {**_LLAMA_LIKE, **_MOE, "layer_types": ["conv", "full_attention"],
+                                    "num_experts": 4, "num_dense_layers": 1}),
+    "lfm3": (getattr(tf, "Lfm3Config", None), {**_WINDOWED, "layer_types": [
+        "conv", "full_attention", "conv", "sliding_attention"]}),
+    "granitemoehybrid": (tf.GraniteMoeHybridConfig, {**_LLAMA_LIKE, "layer_types": ["mamba", "attention"],
+                                                     "mamba_n_heads": 4, "mamba_d_head": 16}),
+    "bamba": (tf.BambaConfig, {**_LLAMA_LIKE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16}),
+    "falcon_h1": (tf.FalconH1Config, {**_LLAMA_LIKE, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64,
+                                      "mamba_d_state": 8}),  # attention and Mamba side by side in every layer
+    "nemotron_h": (tf.NemotronHConfig, {**_LLAMA_LIKE, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
+                                        "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 8}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 2,
                                  "max_position_embeddings": 256}),
-    "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, "head_dim": 8,
-                                        "layer_types": ["linear_attention", "full_attention"], "num_experts": 2,
-                                        "num_experts_per_tok": 1, "linear_num_value_heads": 2,
-                                        "linear_num_key_heads": 2, "linear_key_head_dim": 8,
-                                        "linear_value_head_dim": 8, "moe_intermediate_size": 16}),
     "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
                                "use_mamba_kernels": False}),
-    "bamba": (tf.BambaConfig, {**_LLAMA_LIKE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16}),
-    "falcon_h1": (tf.FalconH1Config, {**_LLAMA_LIKE, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64}),
-    "granitemoehybrid": (tf.GraniteMoeHybridConfig, {**_LLAMA_LIKE, "layer_types": ["mamba", "attention"],
-                                                     "mamba_n_heads": 4, "mamba_d_head": 16}),
-    "lfm2": (tf.Lfm2Config, {**_LLAMA_LIKE, "layer_types": ["conv", "full_attention"]}),
     "minimax": (tf.MiniMaxConfig, {**_LLAMA_LIKE, "layer_types": ["linear_attention", "full_attention"],
                                    "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}),
     "llama4_text": (tf.Llama4TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "attention_chunk_size": 8,
@@ -235,12 +267,14 @@ ZOO: dict[str, tuple[type, dict]] = {
 
 def build_zoo_model(name: str, path: str | Path, seed: int = 0) -> str:
     """Save a random-weight float32 model of zoo entry `name` into `path`; returns the path. Vectors are
-    perturbed too, so that no zero-initialised bias or gate hides what it feeds."""
+    perturbed too, so that no zero-initialised bias or gate hides what it feeds. A vision-language entry is
+    saved as its checkpoints are, vision tower included."""
     config_class, kwargs = ZOO[name]
     config = config_class(**kwargs, tie_word_embeddings=False)
     config.eos_token_id = None
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = tf.AutoModelForImageTextToText if "vision_config" in kwargs else tf.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:

@@ -18,6 +18,10 @@ from tests.model_zoo import VOCAB, ZOO, build_zoo_model
 from workers.engine import Engine, model_support
 from workers.engine.longrope import uses_longrope
 
+# linear-attention and state-space hybrids (workers/engine/recurrent.py)
+HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
+          "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1",
+          "nemotron_h"]
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
             "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
             "gpt_neox", "opt", "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
@@ -29,10 +33,9 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text",
             "kolibri1", "minimax_m3_vl_text", "sarvam_moe", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
-            "flint"]
+            "flint", *HYBRID]
 REFUSED = {
-    "qwen3_next": "layer type 'linear_attention'", "jamba": "Mamba", "bamba": "Mamba", "falcon_h1": "Mamba",
-    "granitemoehybrid": "Mamba", "lfm2": "layer type 'conv'",
+    "jamba": "Mamba layers whose multi-token forward",
     "minimax": "layer type 'linear_attention'", "llama4_text": "chunked", "llama_dynamic_rope": "rope type 'dynamic'",
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
@@ -40,6 +43,9 @@ REFUSED = {
     "doge": "dynamic mask attention",
     "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }
+# Mamba-2's recurrent decode step and its chunked scan over a whole text round differently in float32: on
+# this tiny model transformers' own `generate` logprobs differ from its forward's by 1.4e-4 at prompt 4.
+LOGPROB_ABS = {"nemotron_h": 3e-4}
 MOE = [name for name in ACCEPTED if any("experts" in key for key in ZOO[name][1])]
 # Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that
 # start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
@@ -75,7 +81,7 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]
 
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_accepted_model_is_exact(zoo_dir, name):
-    assert_exact(zoo_dir(name))
+    assert_exact(zoo_dir(name), logprob_abs=LOGPROB_ABS.get(name, 1e-4))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -86,7 +92,8 @@ def test_accepted_model_is_exact_through_decode_graphs(zoo_dir, name, device):
     the capture)."""
     if device == "cuda" and name in MOE:
         pytest.skip("float32 MoE experts cannot be captured: test_moe_decode_graphs_are_exact_in_bfloat16")
-    engine = assert_exact(zoo_dir(name), cuda_graphs=(False, True), device=device)
+    engine = assert_exact(zoo_dir(name), logprob_abs=LOGPROB_ABS.get(name, 1e-4), cuda_graphs=(False, True),
+                          device=device)
     assert engine.runner.graphs.replays > 0
 
 
@@ -134,7 +141,7 @@ def test_rope_recomputed_per_forward_is_made_once(zoo_dir, device):
     assert rotary.rope_init_fn(rotary.config, seq_len=4)[0] is not first[0]
 
 
-def assert_exact(path: str, **config) -> Engine:
+def assert_exact(path: str, logprob_abs: float = 1e-4, **config) -> Engine:
     """A batch of short and long prompts (the long ones chunked) gives `generate`'s greedy tokens, with
     the logprobs of a plain forward; returns the engine."""
     prompts = prompts_of(PROMPT_LENGTHS)
@@ -145,7 +152,7 @@ def assert_exact(path: str, **config) -> Engine:
     for i, (prompt, want) in enumerate(zip(prompts, expected)):
         row = rows[(i, 0)]
         assert row["token_ids"] == want, f"prompt {i} (length {len(prompt)})"
-        assert row["logprobs"] == pytest.approx(forward_logprobs(model, prompt, want), abs=1e-4), f"prompt {i}"
+        assert row["logprobs"] == pytest.approx(forward_logprobs(model, prompt, want), abs=logprob_abs), f"prompt {i}"
     assert len({tuple(w) for w in expected}) > 1, "continuations are degenerate"
     return engine
 

@@ -19,6 +19,7 @@ from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
+from workers.engine.recurrent import without_kv_reuse
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
@@ -32,9 +33,11 @@ class Engine:
     """One continuous-batching LLM engine on one device; not thread-safe (one thread drives it)."""
 
     def __init__(self, config: EngineConfig, worker_id: int = 0) -> None:
-        self.config = config
         self.worker_id = worker_id
         self.runner = ModelRunner(config)
+        if self.runner.states is not None:
+            config = without_kv_reuse(config)
+        self.config = config
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
@@ -236,6 +239,7 @@ class Engine:
             first, *rest = seq.sample_indices
             children = [seq.fork(i) for i in rest]
             copies += self.scheduler.fork(seq, children)
+            self.runner.fork_states(seq, children)
             seq.sample_indices = [first]
             self.counters["forks"] += len(children)
             out += children

@@ -116,6 +116,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(size, runner.tables.max_blocks, dtype=torch.int32, device=device)
         self.token_lengths = None if runner.rope_switch_length is None else torch.zeros_like(self.ids)
+        # recurrent-state slots (recurrent.py); padding rows take the spare last one
+        self.pad_row = runner.config.max_num_seqs
+        self.rows = None if runner.states is None else torch.full_like(self.ids, self.pad_row)
         self.logits: torch.Tensor | None = None
         self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.pool = None
@@ -136,7 +139,7 @@ class DecodeGraphs:
             for kv in reversed(self.kv_sizes):
                 meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
                                          self.block_table[:batch], max_seqlen_q=1, max_seqlen_k=kv,
-                                         decode_graph=True)
+                                         decode_graph=True, rows=None if self.rows is None else self.rows[:batch])
                 scalars = (batch, *self.runner.backend.graph_scalars(meta))
                 if scalars not in captured:
                     captured[scalars] = self._capture(batch, meta)
@@ -216,3 +219,6 @@ class DecodeGraphs:
         if self.token_lengths is not None:
             self.token_lengths[:n].copy_(inputs.token_lengths)
             self.token_lengths[n:batch].zero_()
+        if self.rows is not None:
+            self.rows[:n].copy_(meta.rows)
+            self.rows[n:batch].fill_(self.pad_row)

@@ -15,40 +15,44 @@ import torch
 
 
 class KvLayout(NamedTuple):
-    """What a model's paged cache holds per token: per layer its `(kv_heads, head_dim)`, and the layer
-    whose K/V it reads (itself, or the earlier layer whose K/V it reuses)."""
+    """What a model's paged cache holds per token: per layer its `(kv_heads, head_dim)` (None: no attention),
+    and the layer whose K/V it reads (itself, or the earlier layer whose K/V it reuses)."""
 
-    shapes: tuple[tuple[int, int], ...]
+    shapes: tuple[tuple[int, int] | None, ...]
     owners: tuple[int, ...]
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block of `block_size` tokens takes across every layer that owns its K/V."""
-        elements = sum(2 * h * d for layer, (h, d) in enumerate(self.shapes) if self.owners[layer] == layer)
-        return elements * block_size * dtype.itemsize
+        return sum(2 * h * d for h, d in self.owned().values()) * block_size * dtype.itemsize
+
+    def owned(self) -> dict[int, tuple[int, int]]:
+        """The shape of each layer that stores K/V of its own, by layer."""
+        return {layer: shape for layer, shape in enumerate(self.shapes)
+                if shape is not None and self.owners[layer] == layer}
 
 
 class KvCache:
-    """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view; `stores[i]` is
-    False for a layer reusing an earlier layer's K/V, which that layer has stored already. Block copies and
-    gathers act on every tensor at once."""
+    """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view (None without
+    attention); `stores[i]` is False for a layer reusing an earlier layer's K/V, which that layer has stored
+    already. Block copies and gathers act on every tensor at once."""
 
-    def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int]]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int] | None]) -> None:
         self.tensors = tensors
-        self.layers = [tensors[t][i] for t, i in index]
-        self.stores = [index.index(place) == layer for layer, place in enumerate(index)]
+        self.layers = [None if place is None else tensors[place[0]][place[1]] for place in index]
+        self.stores = [place is not None and index.index(place) == layer for layer, place in enumerate(index)]
         self.num_blocks, self.block_size = tensors[0].shape[2:4]
 
     @classmethod
     def allocate(cls, layout: KvLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> KvCache:
         """A zeroed cache of `num_blocks` blocks for `layout`: one tensor per K/V shape, in layer order."""
-        own = [layer for layer, owner in enumerate(layout.owners) if owner == layer]
-        shapes = list(dict.fromkeys(layout.shapes[layer] for layer in own))
-        owned = [[layer for layer in own if layout.shapes[layer] == shape] for shape in shapes]
+        own = layout.owned()
+        shapes = list(dict.fromkeys(own.values()))
+        owned = [[layer for layer in own if own[layer] == shape] for shape in shapes]
         place = {layer: (t, i) for t, layers in enumerate(owned) for i, layer in enumerate(layers)}
         tensors = [torch.zeros(len(layers), 2, num_blocks, block_size, *shape, dtype=dtype, device=device)
                    for layers, shape in zip(owned, shapes)]
-        return cls(tensors, [place[owner] for owner in layout.owners])
+        return cls(tensors, [place.get(owner) for owner in layout.owners])
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> KvCache:

@@ -92,7 +92,7 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         with _phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
-        self.layout = adapt_model(self.model)
+        self.layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
@@ -106,6 +106,11 @@ class ModelRunner:
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.graphs: DecodeGraphs | None = None
+        # one state slot per block-table row, and one for a decode graph's padding rows (before sizing the
+        # KV cache, so that its memory counts against the budget)
+        self.states = self.mixers.allocate(config.max_num_seqs + 1, self.device)
+        if self.states is not None:
+            logger.info("recurrent state: %d slots, %.3f GiB", self.states.num_slots, self.states.nbytes / 2**30)
         with _phase(self.startup_s, "KV cache", self.device):
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
@@ -184,7 +189,9 @@ class ModelRunner:
         tables = self.device_tables if plan.tables is None else plan.tables.to(self.device)
         block_table = tables[:, :plan.width].index_select(0, t["rows"])
         meta = AttentionMetadata(t["slots"], t["cu_seqlens_q"], t["seq_lens"], block_table,
-                                 plan.max_seqlen_q, plan.max_seqlen_k)
+                                 plan.max_seqlen_q, plan.max_seqlen_k, rows=t["rows"],
+                                 host_cu_seqlens_q=plan.arrays["cu_seqlens_q"],
+                                 host_seq_lens=plan.arrays["seq_lens"])
         logits_rows = t["logits_rows"] if plan.expand else None
         return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.num_rows,
                           sampling_batch(t, plan.flags), logits_rows, t.get("token_lengths"))
@@ -225,6 +232,17 @@ class ModelRunner:
         inputs = self.prepare(seqs, num_tokens, prev)
         logits = self.forward(inputs)
         return self.sample(logits, inputs) if inputs.num_rows else Sampled.empty(self.device)
+
+    def fork_states(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Give a prompt's new children their rows now, each with a copy of the prompt's recurrent state
+        (queued after the step that computed it); nothing without mixer layers."""
+        if self.states is None or not children:
+            return
+        for seq in self.tables.sync(children)[2]:
+            self.row_params.write(seq)
+        t = self.staging.send({"src": np.full(len(children), parent.row, np.int64),
+                               "dst": np.array([child.row for child in children], np.int64)})
+        self.states.copy_rows(t["src"], t["dst"])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of block src into block dst, in every layer, in one indexed copy."""

@@ -1,10 +1,12 @@
 """Which models the engine serves exactly, and the shape of their paged KV cache.
 
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
-against transformers `generate`; a vision-language type there, Gemma 3's or 4's, is served text-only, its
-vision tower loaded but never run) and its config uses no feature our paged attention cannot see:
-recurrent or linear-attention layers, chunked or bidirectional attention, ALiBi, batch-dependent RoPE.
-Everything else is refused at construction with a `ValueError` naming the model type and the feature.
+against transformers `generate`; a vision-language type there is served text-only: Gemma 3's or 4's
+vision tower loaded but never run, Qwen3.5's left out as transformers' causal LM leaves it) and its config
+uses no feature our paged attention cannot see: chunked or bidirectional attention, ALiBi,
+batch-dependent RoPE, linear-attention or state-space layers of a type not verified (those verified keep
+their state in recurrent.py). Everything else is refused at construction with a `ValueError` naming the
+model type and the feature.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import transformers
 from workers.engine.attention import AttentionBackend, set_backend
 from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.longrope import install_per_sequence_longrope
+from workers.engine.recurrent import Mixers
 from workers.engine.rope_cache import cache_rope_init
 
 # Model types verified exact in tests/test_model_coverage.py.
@@ -29,9 +32,13 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4",
     "gemma4_unified_text", "gemma4_unified", "gemma3n_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text", "kolibri1", "minimax_m3_vl_text", "sarvam_moe",
-    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint"})
+    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
+    "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Layers whose state recurrent.py keeps: accepted in the verified types only.
+_MIXER_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
 # The feature that rules out a known model type, when no config field says it on its own.
 _REFUSED_MODEL_TYPES = {
@@ -39,9 +46,9 @@ _REFUSED_MODEL_TYPES = {
     "gptj": _NO_ATTENTION_INTERFACE, "codegen": _NO_ATTENTION_INTERFACE, "xglm": _NO_ATTENTION_INTERFACE,
     "gpt_neo": _NO_ATTENTION_INTERFACE, "falcon": _NO_ATTENTION_INTERFACE,
     "mamba": "state-space (Mamba) layers", "mamba2": "state-space (Mamba) layers",
-    "jamba": "state-space (Mamba) layers", "bamba": "state-space (Mamba) layers",
-    "granitemoehybrid": "state-space (Mamba) layers",
-    "falcon_h1": "state-space (Mamba) mixers beside attention", "recurrent_gemma": "recurrent (RG-LRU) layers",
+    "jamba": "Mamba layers whose multi-token forward always starts from zero state (a prompt prefilled in "
+             "chunks, or recomputed, would lose what came before)",
+    "recurrent_gemma": "recurrent (RG-LRU) layers",
     "doge": "dynamic mask attention (a bias computed from the values)",
 }
 
@@ -63,7 +70,8 @@ def check_config(config: transformers.PretrainedConfig) -> None:
     if model_type in _REFUSED_MODEL_TYPES:
         features.append(_REFUSED_MODEL_TYPES[model_type])
     layer_types = getattr(text, "layer_types", None) or []
-    features += [f"layer type {t!r}" for t in sorted(set(layer_types) - _ATTENTION_LAYER_TYPES, key=str)]
+    served = _ATTENTION_LAYER_TYPES | (_MIXER_LAYER_TYPES if model_type in SUPPORTED_MODEL_TYPES else set())
+    features += [f"layer type {t!r}" for t in sorted(set(layer_types) - served, key=str)]
     if not features and model_type not in SUPPORTED_MODEL_TYPES:
         features.append("an architecture not verified against transformers "
                         f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
@@ -94,13 +102,15 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     return found
 
 
-def adapt_model(model: transformers.PreTrainedModel) -> KvLayout:
-    """Check what a probe forward sees of `model`'s attention, make its RoPE per sequence and free of
-    per-step host copies, and return the layout of its paged cache."""
-    layout = kv_layout(model)
+def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
+    """Route `model`'s linear-attention and state-space layers to per-sequence state, check what a probe
+    forward sees of its attention, make its RoPE per sequence and free of per-step host copies; returns
+    the layout of its paged cache and its mixers (their state shapes recorded by the probe)."""
+    mixers = Mixers(model)
+    layout = kv_layout(model, mixers.layers)
     install_per_sequence_longrope(model)
     cache_rope_init(model)
-    return layout
+    return layout, mixers
 
 
 class _ShapeProbe(AttentionBackend):
@@ -119,13 +129,14 @@ class _ShapeProbe(AttentionBackend):
 
 
 @torch.inference_mode()
-def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
+def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ()) -> KvLayout:
     """Each layer's KV heads and head size, and whose K/V it reads, from a two-token probe forward.
 
-    Raises `ValueError` unless every decoder layer calls our attention exactly once with K and V of
-    one shape (values narrower than keys, as in multi-head latent attention, arrive padded), so hybrid
-    layers and attention outside the interface are refused. A layer handed
-    the very K/V tensors an earlier layer computed (KV sharing) reads that layer's cache.
+    Raises `ValueError` unless every decoder layer either calls our attention exactly once with K and V
+    of one shape (values narrower than keys, as in multi-head latent attention, arrive padded), or is
+    one of `mixer_layers` (linear attention, state space; those may attend too), and one layer at least
+    attends; so attention outside the interface is refused. A layer handed the very K/V tensors an
+    earlier layer computed (KV sharing) reads that layer's cache.
     """
     probe = _ShapeProbe()
     device = next(model.parameters()).device
@@ -140,13 +151,16 @@ def kv_layout(model: transformers.PreTrainedModel) -> KvLayout:
     finally:
         set_backend(None)
     layers = [layer for layer, _, _ in probe.calls]
-    if layers != list(range(model.config.get_text_config(decoder=True).num_hidden_layers)):
+    expected = list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
+    if not layers or sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
-                                 f"(layers calling paged attention: {layers})")
+                                 f"(layers calling paged attention: {layers}; state-space layers: {mixer_layers})")
     mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape]
     if mismatched:
         raise refuse(model_type, f"keys and values of different shapes (layers {mismatched})")
-    return KvLayout(tuple(tuple(k.shape[1:]) for _, k, _ in probe.calls), _owners(probe.calls))
+    shapes = {layer: tuple(k.shape[1:]) for layer, k, _ in probe.calls}
+    owners = dict(zip(layers, _owners(probe.calls)))
+    return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected))
 
 
 def _owners(calls: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:

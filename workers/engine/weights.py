@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from copy import deepcopy
 from pathlib import Path
 from typing import Mapping
@@ -72,9 +73,13 @@ def _convert(model: torch.nn.Module, first: str, converter: WeightConverter) -> 
 def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs for every entry of the model's state dict, the source given in the model's
     names or its checkpoint's; ValueError listing every missing or unexpected name and every shape or dtype
-    mismatch, before anything is copied."""
+    mismatch, before anything is copied. Names the model lacks that transformers ignores on load (Qwen3.5's
+    vision tower and multi-token-prediction head, for its text-only causal LM) are ignored here too."""
     targets = model.state_dict()
     state = to_model_names(model, targets, state)
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    state = {name: tensor for name, tensor in state.items()
+             if name in targets or not any(p.search(name) for p in ignored)}
     given = {_storage(dst) for name, dst in targets.items() if name in state}
     problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
     problems += [f"unexpected {name!r}" for name in state if name not in targets]

@@ -26,6 +26,11 @@ def set_backend(backend: AttentionBackend | None) -> None:
     _backend = backend
 
 
+def current_metadata() -> AttentionMetadata | None:
+    """The metadata of the step running now (None outside a step, and in the shape probe)."""
+    return None if _backend is None else _backend.meta
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, sliding_window: int | None = None,
@@ -59,4 +64,4 @@ def _same_head_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionMetadata", "set_backend"]
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionMetadata", "current_metadata", "set_backend"]

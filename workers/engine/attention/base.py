@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.engine.kv_cache import KvCache
@@ -22,6 +23,9 @@ class AttentionMetadata:
     the one query of sequence `b`, sequences past the real ones have length 0 (`cu_seqlens_q` plateaus),
     and the host scalars are the graph key's (`max_seqlen_q` 1, `max_seqlen_k` the KV bucket). A backend
     must then take every host decision from those scalars and the tensors' shapes, never from values.
+
+    `rows[b]` is sequence `b`'s block-table row, which also indexes its recurrent state (recurrent.py);
+    `host_cu_seqlens_q` and `host_seq_lens` are the host copies a step that is not a decode step splits by.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
@@ -31,6 +35,9 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     decode_graph: bool = False
+    rows: torch.Tensor | None = None  # [B] int64
+    host_cu_seqlens_q: np.ndarray | None = None
+    host_seq_lens: np.ndarray | None = None
 
 
 class AttentionBackend:

@@ -1,0 +1,99 @@
+"""Linear-attention and state-space hybrids (workers/engine/recurrent.py): each sequence's state kept in
+its slot through chunked prefill, batched decode, forks, preemption and async batching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollout import SamplingParams
+from tests.conftest import hf_model, make_engine, run
+from tests.test_model_coverage import forward_logprobs, greedy_references, prompts_of
+from workers.engine.recurrent import _segments
+
+# a one-token prompt (its state starts beside decoding ones), short ones, and long ones prefilled in chunks
+LENGTHS = [3, 26, 40, 1, 37, 17]
+MODEL = "qwen3_5_text"
+
+
+def assert_every_sample_exact(path: str, n: int, **config) -> dict:
+    """Greedy samples of every prompt are `generate`'s tokens with a plain forward's logprobs, all `n` of
+    each (a fork's children start from the prompt's state); returns the engine's stats."""
+    prompts = prompts_of(LENGTHS)
+    model = hf_model(path)
+    expected = greedy_references(model, prompts)
+    engine = make_engine(path, **{"block_size": 8, "max_batch_tokens": 16, "max_num_seqs": 8, **config})
+    rows = run(engine, prompts, SamplingParams(n=n, temperature=0, max_new_tokens=10, logprobs_mode="raw"))
+    for i, (prompt, want) in enumerate(zip(prompts, expected)):
+        logprobs = forward_logprobs(model, prompt, want)
+        for s in range(n):
+            assert rows[(i, s)]["token_ids"] == want, f"prompt {i} sample {s}"
+            assert rows[(i, s)]["logprobs"] == pytest.approx(logprobs, abs=1e-4), f"prompt {i} sample {s}"
+    return engine.stats()
+
+
+def test_forked_samples_start_from_the_prompts_state(zoo_dir):
+    stats = assert_every_sample_exact(zoo_dir(MODEL), n=3)
+    assert stats["forks"] == 2 * len(LENGTHS)
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_preempted_sequences_are_recomputed_from_zero_state(zoo_dir, async_batching):
+    """A cache too small for every sample preempts; prefix caching and CPU offload, which would bring back
+    KV without its state, are off, so each preempted sequence is recomputed (through decode graphs' padded
+    path too, whose padding rows write a spare slot)."""
+    stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, num_blocks=12, async_batching=async_batching,
+                                      cuda_graphs=(False, True), cpu_offload_gib=0.5)
+    assert stats["recomputes"] > 0 and stats["offloads"] == 0 and stats["cached_prefix_tokens"] == 0
+
+
+def test_a_repeated_prompt_is_computed_again_not_taken_from_the_prefix_cache(zoo_dir):
+    engine = make_engine(zoo_dir(MODEL), block_size=8)
+    assert not engine.config.enable_prefix_caching and engine.config.cpu_offload_gib == 0
+    prompt = prompts_of([30])[0]
+    params = SamplingParams(temperature=0, max_new_tokens=5, logprobs_mode="raw")
+    first, second = (run(engine, [prompt], params)[(0, 0)] for _ in range(2))
+    assert second["token_ids"] == first["token_ids"] and second["logprobs"] == first["logprobs"]
+    assert engine.stats()["cached_prefix_tokens"] == 0
+
+
+def test_state_slots_have_each_layers_shapes(zoo_dir):
+    """One slot per block-table row and a spare; Qwen3.5's Gated DeltaNet layer (layer 0) keeps a window of
+    4 inputs of q, k and v (2 x 2 heads x 8 + 4 heads x 8) and a 4-head 8 x 8 state, in float32."""
+    runner = make_engine(zoo_dir(MODEL), max_num_seqs=5).runner
+    shapes = {key: tuple(t.shape) for key, t in runner.states.tensors.items()}
+    assert shapes == {(0, "conv", 0): (6, 64, 4), (0, "recurrent", 0): (6, 4, 8, 8)}
+    assert runner.layout.shapes[0] is None and runner.kv_cache.layers[0] is None
+    assert runner.states.tensors[(0, "recurrent", 0)].dtype == torch.float32
+
+
+def test_a_steps_sequences_split_into_runs_of_one_token_and_longer_chunks_alone():
+    cu = np.cumsum([0, 1, 1, 5, 1, 3, 3, 1])
+    assert _segments(cu) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert _segments(np.array([0, 1, 2, 3])) == [(0, 3)]
+
+
+@pytest.mark.parametrize("beside", ["decode", "decode+chunk"])
+def test_a_sequence_taking_a_used_slot_starts_from_zero_state(zoo_dir, beside):
+    """A one-token prompt admitted beside a decoding sequence into the slot a finished sequence left must not
+    read that sequence's state: in a step of one-token sequences (one call, through the decode-graph path),
+    and in a run of one-token sequences before a longer prompt's chunk."""
+    path = zoo_dir(MODEL)
+    first, decoding, fresh, long = prompts_of([20, 5, 1, 30])
+    engine = make_engine(path, block_size=8, cuda_graphs=(False, True))
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, logprobs_mode="raw")
+    engine.add_request(first, SamplingParams(temperature=0, max_new_tokens=2), prompt_index=0)
+    engine.add_request(decoding, SamplingParams(temperature=0, max_new_tokens=30), prompt_index=1)
+    while not any(row["prompt_index"] == 0 for row in engine.step()):
+        pass
+    engine.add_request(fresh, greedy, prompt_index=2)
+    if beside == "decode+chunk":
+        engine.add_request(long, greedy, prompt_index=3)
+    rows = {}
+    while engine.has_unfinished():
+        rows.update({row["prompt_index"]: row for row in engine.step()})
+    model = hf_model(path)
+    want = greedy_references(model, [fresh])[0][:8]
+    assert rows[2]["token_ids"] == want
+    assert rows[2]["logprobs"] == pytest.approx(forward_logprobs(model, fresh, want), abs=1e-4)

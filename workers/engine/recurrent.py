@@ -1,0 +1,232 @@
+"""Recurrent state of linear-attention and state-space layers (Gated DeltaNet, Mamba, short convolutions).
+
+Such a layer ("mixer") keeps a fixed-size state per sequence instead of a growing KV: a convolution
+window and a recurrent matrix. The engine keeps each mixer's states in slot tensors `[slots, ...]`,
+indexed by the sequence's block-table row (the last slot takes a decode graph's padding rows). The
+model's own mixer code runs unchanged: its forward is wrapped to hand it a `SlotView`, which answers
+the state calls of transformers' linear-attention cache for the rows of one call. A decode step runs
+every sequence in one call (batch = sequences); prefill chunks run one sequence per call. A sequence
+with nothing computed yet starts from zero state, whatever its slot holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Callable
+
+import msgspec
+import numpy as np
+import torch
+
+from rollout.config import EngineConfig
+from workers.engine.attention import current_metadata
+
+logger = logging.getLogger(__name__)
+
+_CACHE_ARGS = ("cache", "cache_params")
+# Per-token arguments a decoder layer forwards to its mixer that transformers' mixers only pass along to
+# kernels which ignore them; dropped, since a per-sequence call would need them sliced.
+_DROPPED_ARGS = ("position_ids", "cache_position")
+StateKey = tuple[int, str, int]  # (layer, "conv" or "recurrent", state index)
+
+
+class SlotView:
+    """transformers' linear-attention cache calls, answered for the slots `rows` of the state tensors.
+
+    `fresh` (a bool, or a `[rows]` bool tensor): which rows start from zero state. Reads gather the
+    rows once; writes stay local until `flush`, since a mixer may update a state it read in place.
+    """
+
+    def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor) -> None:
+        self.states, self.rows, self.fresh = states, rows, fresh
+        self.local: dict[StateKey, torch.Tensor] = {}
+        self.seen: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
+
+    def _read(self, key: StateKey) -> torch.Tensor | None:
+        if key not in self.local:
+            if self.fresh is True or self.states is None:
+                return None
+            slots = self.states.tensors[key].index_select(0, self.rows)
+            if isinstance(self.fresh, torch.Tensor):
+                slots = torch.where(self.fresh.view(-1, *[1] * (slots.dim() - 1)), 0, slots)
+            self.local[key] = slots
+        return self.local[key]
+
+    def _write(self, key: StateKey, value: torch.Tensor) -> None:
+        self.local[key] = value
+        self.seen[key] = (value.shape[1:], value.dtype)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The rows' convolution windows (None when they start afresh)."""
+        return self._read((layer_idx, "conv", state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """The rows' recurrent states (None when they start afresh)."""
+        return self._read((layer_idx, "recurrent", state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """Append new inputs to the window; returns window and inputs, zero-padded on the left to at
+        least the window's width, as transformers' cache does."""
+        key = (layer_idx, "conv", state_idx)
+        width = self._width(key, conv_states, conv_kernel_size)
+        old = self._read(key)
+        full = conv_states if old is None else torch.cat([old, conv_states], dim=-1)
+        if full.shape[-1] < width:
+            full = torch.nn.functional.pad(full, (width - full.shape[-1], 0))
+        self._write(key, full[..., -width:])
+        return full
+
+    def _width(self, key: StateKey, conv_states: torch.Tensor, conv_kernel_size: int | None) -> int:
+        if self.states is not None and key in self.states.tensors:
+            return self.states.tensors[key].shape[-1]
+        return conv_kernel_size or conv_states.shape[-1]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        """Keep the rows' new recurrent states."""
+        self._write((layer_idx, "recurrent", state_idx), recurrent_states)
+        return recurrent_states
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """Never: the engine does not roll states back."""
+        return False
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether the rows carry state from earlier tokens."""
+        return self.fresh is not True
+
+    def flush(self) -> None:
+        """Write the rows' states back into their slots."""
+        if self.states is not None:
+            for key, value in self.local.items():
+                self.states.tensors[key].index_copy_(0, self.rows, value.to(self.states.tensors[key].dtype))
+
+
+class StateCache:
+    """One `[slots, ...]` tensor per (mixer layer, state kind, state index), zeroed."""
+
+    def __init__(self, layout: dict[StateKey, tuple[torch.Size, torch.dtype]], slots: int,
+                 device: torch.device) -> None:
+        self.tensors = {key: torch.zeros(slots, *shape, dtype=dtype, device=device)
+                        for key, (shape, dtype) in layout.items()}
+        self.num_slots = slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes every slot of every state takes."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the states of slots `src` into slots `dst` (a fork's children start where the prompt ended)."""
+        for t in self.tensors.values():
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+
+class Mixers:
+    """The mixer layers of a model, their forwards wrapped to keep state in `states` (None until the
+    probe forward has recorded `layout`, each state's shape and dtype)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers: list[int] = []
+        self.layout: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
+        self.states: StateCache | None = None
+        for module in model.modules():
+            name = _cache_arg(module)
+            if name is not None:
+                self.layers.append(module.layer_idx)
+                module.forward = self._wrap(module.forward, name)
+
+    def allocate(self, slots: int, device: torch.device) -> StateCache | None:
+        """The state slots, when the model has mixers."""
+        self.states = StateCache(self.layout, slots, device) if self.layers else None
+        return self.states
+
+    def _wrap(self, forward: Callable, cache_arg: str) -> Callable:
+        def mixer_forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            for name in _CACHE_ARGS + _DROPPED_ARGS:
+                kwargs.pop(name, None)
+            _check_args(args, kwargs)
+            meta = current_metadata()
+            if meta is None or self.states is None:
+                view = SlotView(None, None, True)
+                out = forward(hidden_states, **kwargs, **{cache_arg: view})
+                self.layout.update(view.seen)
+                return out
+            return self._run(forward, cache_arg, hidden_states, meta, kwargs)
+        return mixer_forward
+
+    def _run(self, forward: Callable, cache_arg: str, hidden: torch.Tensor, meta, kwargs: dict) -> torch.Tensor:
+        """The mixer over a packed step `[1, T, D]`: all of a decode step's sequences in one call, else
+        runs of one-token sequences together and each longer chunk alone."""
+        if meta.max_seqlen_q == 1:
+            return self._call(forward, cache_arg, hidden[0][:, None], meta.rows, meta.seq_lens <= 1,
+                              kwargs).transpose(0, 1)
+        cu, seq_lens = meta.host_cu_seqlens_q, meta.host_seq_lens
+        outs = []
+        for a, b in _segments(cu):
+            if b - a > 1 and cu[b] - cu[a] == b - a:
+                fresh = torch.as_tensor(seq_lens[a:b] <= 1).to(hidden.device, non_blocking=True)
+                outs.append(self._call(forward, cache_arg, hidden[0, cu[a]:cu[b], None], meta.rows[a:b],
+                                       fresh, kwargs).transpose(0, 1))
+            else:
+                fresh = bool(seq_lens[a] == cu[b] - cu[a])
+                outs.append(self._call(forward, cache_arg, hidden[:, cu[a]:cu[b]], meta.rows[a:b], fresh, kwargs))
+        return torch.cat(outs, dim=1)
+
+    def _call(self, forward: Callable, cache_arg: str, hidden: torch.Tensor, rows: torch.Tensor,
+              fresh: bool | torch.Tensor, kwargs: dict) -> torch.Tensor:
+        view = SlotView(self.states, rows, fresh)
+        out = forward(hidden, **kwargs, **{cache_arg: view})
+        view.flush()
+        return out
+
+
+def without_kv_reuse(config: EngineConfig) -> EngineConfig:
+    """`config` for a model with recurrent state: no prefix caching and no CPU offload, since both bring
+    back KV without the state at its end; a preempted sequence is recomputed instead."""
+    if config.cpu_offload_gib:
+        logger.warning("cpu_offload_gib=%s ignored: a model with linear-attention or state-space layers "
+                       "recomputes preempted sequences (their state is not offloaded)", config.cpu_offload_gib)
+    return msgspec.structs.replace(config, enable_prefix_caching=False, cpu_offload_gib=0.0)
+
+
+def _segments(cu: np.ndarray) -> list[tuple[int, int]]:
+    """Sequence ranges `[a, b)` of a step: runs of one-token sequences, and each longer sequence alone."""
+    lengths = np.diff(cu)
+    out, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] != 1 or lengths[i - 1] != 1:
+            out.append((start, i))
+            start = i
+    return out
+
+
+def _cache_arg(module: torch.nn.Module) -> str | None:
+    """The name under which `module.forward` takes transformers' cache, if `module` is a mixer: a layer
+    whose code reads the linear-attention state (attention layers take the cache too, for their K/V)."""
+    if not (hasattr(module, "layer_idx") and _reads_state(type(module))):
+        return None
+    params = inspect.signature(module.forward).parameters
+    return next((name for name in _CACHE_ARGS if name in params), None)
+
+
+@functools.cache
+def _reads_state(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return "get_conv_state(" in source or "get_recurrent_state(" in source
+
+
+def _check_args(args: tuple, kwargs: dict) -> None:
+    """Refuse what a per-sequence call could not slice: positional extras, masks, other token tensors."""
+    if args:
+        raise NotImplementedError("a linear-attention or state-space layer called with positional arguments")
+    tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    if tensors:
+        raise NotImplementedError(f"a linear-attention or state-space layer given {tensors} (the engine passes "
+                                  "its layers no padding mask or per-token tensors)")
