@@ -25,7 +25,7 @@ from workers.engine.attention import current_metadata
 
 logger = logging.getLogger(__name__)
 
-_CACHE_ARGS = ("cache", "cache_params")
+_CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 # Per-token arguments a decoder layer forwards to its mixer that transformers' mixers only pass along to
 # kernels which ignore them; dropped, since a per-sequence call would need them sliced.
 _DROPPED_ARGS = ("position_ids", "cache_position")
@@ -98,11 +98,44 @@ class SlotView:
         """Whether the rows carry state from earlier tokens."""
         return self.fresh is not True
 
+    @property
+    def layers(self) -> _Layers:
+        """Per layer, its states as transformers before 5.20 reads them (`layers[i].conv_states[0]`)."""
+        return _Layers(self)
+
     def flush(self) -> None:
         """Write the rows' states back into their slots."""
         if self.states is not None:
             for key, value in self.local.items():
                 self.states.tensors[key].index_copy_(0, self.rows, value.to(self.states.tensors[key].dtype))
+
+
+class _Layers:
+    """`view.layers[i]`: layer i's states, read through the view."""
+
+    def __init__(self, view: SlotView) -> None:
+        self.view = view
+
+    def __getitem__(self, layer: int) -> _LayerStates:
+        return _LayerStates(self.view, layer)
+
+
+class _LayerStates:
+    """One layer's `conv_states[k]` and `recurrent_states[k]`; the engine never records past states."""
+
+    record_past = False
+
+    def __init__(self, view: SlotView, layer: int) -> None:
+        self.conv_states = _States(view, layer, "conv")
+        self.recurrent_states = _States(view, layer, "recurrent")
+
+
+class _States:
+    def __init__(self, view: SlotView, layer: int, kind: str) -> None:
+        self.view, self.layer, self.kind = view, layer, kind
+
+    def __getitem__(self, state_idx: int) -> torch.Tensor | None:
+        return self.view._read((self.layer, self.kind, state_idx))
 
 
 class StateCache:
@@ -219,7 +252,8 @@ def _reads_state(cls: type) -> bool:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
         return False
-    return "get_conv_state(" in source or "get_recurrent_state(" in source
+    return any(call in source for call in ("get_conv_state(", "get_recurrent_state(", ".conv_states[",
+                                           ".recurrent_states["))
 
 
 def _check_args(args: tuple, kwargs: dict) -> None:
