@@ -24,6 +24,7 @@ from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, check_config
 from workers.engine.pipeline import Sampled
+from workers.engine.recurrent import StateCache
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
@@ -106,11 +107,7 @@ class ModelRunner:
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.graphs: DecodeGraphs | None = None
-        # one state slot per block-table row, and one for a decode graph's padding rows (before sizing the
-        # KV cache, so that its memory counts against the budget)
-        self.states = self.mixers.allocate(config.max_num_seqs + 1, self.device)
-        if self.states is not None:
-            logger.info("recurrent state: %d slots, %.3f GiB", self.states.num_slots, self.states.nbytes / 2**30)
+        self.states = self._new_states()
         with _phase(self.startup_s, "KV cache", self.device):
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
@@ -136,13 +133,34 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int) -> KvCache:
         return KvCache.allocate(self.layout, num_blocks, self.block_size, self.model.dtype, self.device)
 
+    def _new_states(self) -> StateCache | None:
+        """The recurrent state of a model with linear-attention or state-space layers: a slot per block-table
+        row and one for a decode graph's padding rows, allocated before the KV cache is sized (on CUDA its
+        memory then counts against the budget)."""
+        slots = self.config.max_num_seqs + 1
+        try:
+            states = self.mixers.allocate(slots, self.device)
+        except torch.OutOfMemoryError as err:
+            raise ValueError(f"the recurrent state of max_num_seqs={self.config.max_num_seqs} sequences "
+                             f"({self.mixers.nbytes(slots) / 2**30:.2f} GiB) does not fit on {self.device}: "
+                             "lower max_num_seqs") from err
+        if states is not None:
+            logger.info("recurrent state: %d slots, %.3f GiB", slots, states.nbytes / 2**30)
+        return states
+
     def _size_cache(self) -> int:
         """`num_blocks` as configured, or as many as the memory budget holds (logged once)."""
         sized = self.config.num_blocks is None
         num_blocks = self.config.num_blocks
         if sized:
             budget = memory.kv_budget_bytes(self.config, self._profile_peak)
-            num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
+            try:
+                num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
+            except ValueError as err:
+                if self.states is None or self.device.type != "cuda" or self.config.kv_cache_memory_gib:
+                    raise
+                raise ValueError(f"{err}; or lower max_num_seqs: the recurrent state takes "
+                                 f"{self.states.nbytes / 2**30:.2f} GiB, a slot per sequence") from err
         memory.log_cache(num_blocks, self.block_size, self.bytes_per_block, sized)
         return num_blocks
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rollout.config import EngineConfig
-from workers.engine.attention import current_metadata
+from workers.engine.attention import AttentionMetadata, current_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,10 @@ class Mixers:
                 self.layers.append(module.layer_idx)
                 module.forward = self._wrap(module.forward, name)
 
+    def nbytes(self, slots: int) -> int:
+        """Bytes `slots` slots of every state take."""
+        return slots * sum(shape.numel() * dtype.itemsize for shape, dtype in self.layout.values())
+
     def allocate(self, slots: int, device: torch.device) -> StateCache | None:
         """The state slots, when the model has mixers."""
         self.states = StateCache(self.layout, slots, device) if self.layers else None
@@ -191,30 +195,27 @@ class Mixers:
             return self._run(forward, cache_arg, hidden_states, meta, kwargs)
         return mixer_forward
 
-    def _run(self, forward: Callable, cache_arg: str, hidden: torch.Tensor, meta, kwargs: dict) -> torch.Tensor:
-        """The mixer over a packed step `[1, T, D]`: all of a decode step's sequences in one call, else
-        runs of one-token sequences together and each longer chunk alone."""
+    def _run(self, forward: Callable, cache_arg: str, hidden: torch.Tensor, meta: AttentionMetadata,
+             kwargs: dict) -> torch.Tensor:
+        """The mixer over a packed step `[1, T, D]`: a decode step's sequences in one call (the batch being
+        the sequences), else each run of one-token sequences in one call and each longer chunk alone."""
+        def call(x: torch.Tensor, rows: torch.Tensor, fresh: bool | torch.Tensor) -> torch.Tensor:
+            view = SlotView(self.states, rows, fresh)
+            out = forward(x, **kwargs, **{cache_arg: view})
+            view.flush()
+            return out
+
         if meta.max_seqlen_q == 1:
-            return self._call(forward, cache_arg, hidden[0][:, None], meta.rows, meta.seq_lens <= 1,
-                              kwargs).transpose(0, 1)
+            return call(hidden[0, :, None], meta.rows, meta.seq_lens <= 1).transpose(0, 1)
         cu, seq_lens = meta.host_cu_seqlens_q, meta.host_seq_lens
         outs = []
         for a, b in _segments(cu):
-            if b - a > 1 and cu[b] - cu[a] == b - a:
+            if cu[b] - cu[a] == b - a:
                 fresh = torch.as_tensor(seq_lens[a:b] <= 1).to(hidden.device, non_blocking=True)
-                outs.append(self._call(forward, cache_arg, hidden[0, cu[a]:cu[b], None], meta.rows[a:b],
-                                       fresh, kwargs).transpose(0, 1))
+                outs.append(call(hidden[0, cu[a]:cu[b], None], meta.rows[a:b], fresh).transpose(0, 1))
             else:
-                fresh = bool(seq_lens[a] == cu[b] - cu[a])
-                outs.append(self._call(forward, cache_arg, hidden[:, cu[a]:cu[b]], meta.rows[a:b], fresh, kwargs))
+                outs.append(call(hidden[:, cu[a]:cu[b]], meta.rows[a:b], bool(seq_lens[a] == cu[b] - cu[a])))
         return torch.cat(outs, dim=1)
-
-    def _call(self, forward: Callable, cache_arg: str, hidden: torch.Tensor, rows: torch.Tensor,
-              fresh: bool | torch.Tensor, kwargs: dict) -> torch.Tensor:
-        view = SlotView(self.states, rows, fresh)
-        out = forward(hidden, **kwargs, **{cache_arg: view})
-        view.flush()
-        return out
 
 
 def without_kv_reuse(config: EngineConfig) -> EngineConfig:

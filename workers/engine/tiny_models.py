@@ -18,6 +18,7 @@ ARCHS = {
     "qwen3": transformers.Qwen3Config,
     "mistral": transformers.MistralConfig,
     "gemma2": transformers.Gemma2Config,
+    "qwen3_5_text": transformers.Qwen3_5TextConfig,  # linear-attention hybrid: pass its layer_types, linear_*
 }
 
 EOS, PAD, BOS = "<|endoftext|>", "<|pad|>", "<s>"
