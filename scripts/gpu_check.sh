@@ -8,7 +8,9 @@
 #     have other K/V shapes (Gemma 4), or keys wider than values (MLA), gives the torch backend's tokens
 #     through the Triton kernels and graphs (tests/test_kv_cache.py), every accepted model family stays
 #     exact through captured decode graphs in float32, and the MoE families in bfloat16, the one dtype
-#     their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py);
+#     their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py), and a linear-attention
+#     hybrid's per-sequence state survives forks, preemption and graph padding on the GPU
+#     (tests/test_recurrent.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no
@@ -35,7 +37,8 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
       'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
-    tests/test_memory.py tests/test_kv_cache.py tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
+    tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py \
+    tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16 \
     "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}

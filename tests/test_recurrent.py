@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import hf_model, make_engine, run
+from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.test_model_coverage import forward_logprobs, greedy_references, prompts_of
 from workers.engine.recurrent import _segments
 
@@ -38,13 +38,14 @@ def test_forked_samples_start_from_the_prompts_state(zoo_dir):
     assert stats["forks"] == 2 * len(LENGTHS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_batching", [False, True])
-def test_preempted_sequences_are_recomputed_from_zero_state(zoo_dir, async_batching):
+def test_preempted_sequences_are_recomputed_from_zero_state(zoo_dir, async_batching, device):
     """A cache too small for every sample preempts; prefix caching and CPU offload, which would bring back
     KV without its state, are off, so each preempted sequence is recomputed (through decode graphs' padded
-    path too, whose padding rows write a spare slot)."""
+    path too, whose padding rows write a spare slot; captured on a GPU)."""
     stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, num_blocks=12, async_batching=async_batching,
-                                      cuda_graphs=(False, True), cpu_offload_gib=0.5)
+                                      cuda_graphs=(False, True), cpu_offload_gib=0.5, device=device)
     assert stats["recomputes"] > 0 and stats["offloads"] == 0 and stats["cached_prefix_tokens"] == 0
 
 
