@@ -40,18 +40,33 @@ def test_forked_samples_start_from_the_prompts_state(zoo_dir):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_batching", [False, True])
-def test_preempted_sequences_are_recomputed_from_zero_state(zoo_dir, async_batching, device):
-    """A cache too small for every sample preempts; prefix caching and CPU offload, which would bring back
-    KV without its state, are off, so each preempted sequence is recomputed (through decode graphs' padded
-    path too, whose padding rows write a spare slot; captured on a GPU)."""
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "recompute"])
+def test_preempted_sequences_keep_their_state(zoo_dir, offload, async_batching, device):
+    """A cache too small for every sample preempts: a sequence offloaded takes its state to the CPU pool and
+    back into whatever row it gets; one recomputed starts from zero state. Decode steps take the graphs'
+    padded path (captured on a GPU), whose padding rows write a spare slot."""
     stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, num_blocks=12, async_batching=async_batching,
-                                      cuda_graphs=(False, True), cpu_offload_gib=0.5, device=device)
-    assert stats["recomputes"] > 0 and stats["offloads"] == 0 and stats["cached_prefix_tokens"] == 0
+                                      cuda_graphs=(False, True), cpu_offload_gib=0.5 if offload else 0,
+                                      device=device)
+    assert stats["cached_prefix_tokens"] == 0
+    assert stats["restores"] > 0 if offload else stats["recomputes"] > 0 and stats["offloads"] == 0
+
+
+def test_the_cpu_pool_keeps_a_state_slot_per_offloaded_sequence(zoo_dir):
+    """State slots take up to half the pool, at most one per sequence; with none free, a preempted
+    sequence is recomputed instead."""
+    engine = make_engine(zoo_dir(MODEL), block_size=8, max_num_seqs=4, cpu_offload_gib=1 / 1024)
+    pool = engine.cpu_pool
+    assert {key: tuple(t.shape) for key, t in pool.state_slots.items()} == {
+        (0, "conv", 0): (4, 64, 4), (0, "recurrent", 0): (4, 4, 8, 8)}
+    assert pool.nbytes + 4 * 2048 <= 2**20 < pool.nbytes + 4 * 2048 + pool.bytes_per_block
+    small = make_engine(zoo_dir(MODEL), block_size=8, max_num_seqs=4, cpu_offload_gib=5000 / 2**30).cpu_pool
+    assert len(small.free_states) == 1 and small.num_blocks == (5000 - 2048) // small.bytes_per_block
 
 
 def test_a_repeated_prompt_is_computed_again_not_taken_from_the_prefix_cache(zoo_dir):
     engine = make_engine(zoo_dir(MODEL), block_size=8)
-    assert not engine.config.enable_prefix_caching and engine.config.cpu_offload_gib == 0
+    assert not engine.config.enable_prefix_caching
     prompt = prompts_of([30])[0]
     params = SamplingParams(temperature=0, max_new_tokens=5, logprobs_mode="raw")
     first, second = (run(engine, [prompt], params)[(0, 0)] for _ in range(2))

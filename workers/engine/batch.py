@@ -11,12 +11,16 @@ from workers.engine.sequence import Sequence
 class Batch:
     """`num_tokens[i]` new tokens of `seqs[i]`, the first `num_decodes` of them decodes, after copying
     device blocks to the CPU pool (`offload_copies`: (device, cpu) pairs) and then back
-    (`restore_copies`: (cpu, device) pairs)."""
+    (`restore_copies`: (cpu, device) pairs); for a model with recurrent state, also each offloaded
+    sequence's state (`state_offloads`: (row, state slot) pairs) and each restored one's
+    (`state_restores`: (state slot, sequence) pairs, the sequence's row taken at the copy)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     offload_copies: list[tuple[int, int]] = field(default_factory=list)
     restore_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_offloads: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, Sequence]] = field(default_factory=list)
     num_decodes: int = 0
 
     def add(self, seq: Sequence, n: int) -> None:

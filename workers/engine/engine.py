@@ -19,7 +19,7 @@ from workers.engine.block_pool import BlockPool, hash_block
 from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
-from workers.engine.recurrent import without_kv_reuse
+from workers.engine.recurrent import without_prefix_caching
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
@@ -36,14 +36,15 @@ class Engine:
         self.worker_id = worker_id
         self.runner = ModelRunner(config)
         if self.runner.states is not None:
-            config = without_kv_reuse(config)
+            config = without_prefix_caching(config)
         self.config = config
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib) if config.cpu_offload_gib else None
+        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states,
+                                config.max_num_seqs) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
                                    self.runner.rope_switch_length)
         self.groups: dict[str, Group] = {}
@@ -168,8 +169,7 @@ class Engine:
             self._collect()
             return self._take_ready()
         if self.cpu_pool:
-            self.cpu_pool.copy_to_cpu(batch.offload_copies)
-            self.cpu_pool.copy_to_device(batch.restore_copies)
+            self._move_offloaded(batch)
         samplers = batch.samplers()
         prev = self.in_flight.sampled.tokens if self.in_flight else None
         sampled = self.runner.launch(batch.seqs, batch.num_tokens, prev)
@@ -181,6 +181,13 @@ class Engine:
         if self.config.check_integrity:
             self.check_integrity()
         return self._take_ready()
+
+    def _move_offloaded(self, batch: Batch) -> None:
+        """Queue the step's copies to the CPU pool, then back; a restored sequence with recurrent state
+        takes its row first, for its state to go there."""
+        self.cpu_pool.copy_to_cpu(batch.offload_copies, batch.state_offloads)
+        self.runner.adopt([seq for _, seq in batch.state_restores])
+        self.cpu_pool.copy_to_device(batch.restore_copies, [(slot, seq.row) for slot, seq in batch.state_restores])
 
     def _hold(self, batch: Batch, samplers: list[Sequence], sampled: Sampled) -> InFlight:
         """Count the launched step in, fork the prompts that sampled in it, and give each sampling row's

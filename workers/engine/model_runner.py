@@ -251,13 +251,17 @@ class ModelRunner:
         logits = self.forward(inputs)
         return self.sample(logits, inputs) if inputs.num_rows else Sampled.empty(self.device)
 
+    def adopt(self, seqs: list[Sequence]) -> None:
+        """Give `seqs` their block-table rows now (before their first step: their state is copied there)."""
+        for seq in self.tables.sync(seqs)[2] if seqs else ():
+            self.row_params.write(seq)
+
     def fork_states(self, parent: Sequence, children: list[Sequence]) -> None:
         """Give a prompt's new children their rows now, each with a copy of the prompt's recurrent state
         (queued after the step that computed it); nothing without mixer layers."""
         if self.states is None or not children:
             return
-        for seq in self.tables.sync(children)[2]:
-            self.row_params.write(seq)
+        self.adopt(children)
         t = self.staging.send({"src": np.full(len(children), parent.row, np.int64),
                                "dst": np.array([child.row for child in children], np.int64)})
         self.states.copy_rows(t["src"], t["dst"])

@@ -1,4 +1,5 @@
-"""The CPU pool: KV blocks of offloaded sequences wait here until they are restored.
+"""The CPU pool: KV blocks (and the recurrent state, for a model with one) of offloaded sequences wait
+here until they are restored.
 
 On CUDA the pool is page-locked to its size in whole pages and every copy runs on one copy stream, ordered
 with the compute stream by waits on both sides: a device block freed by an offload is written again
@@ -19,21 +20,22 @@ import torch
 
 from workers.engine.kv_cache import KvCache
 from workers.engine.memory import available_ram_bytes, pinned_empty
+from workers.engine.recurrent import StateCache
 from workers.engine.staging import Staging
 
 SAFE_RAM_FRACTION = 0.5
+STATE_SHARE = 0.5  # of the pool, at most, for recurrent-state slots (one per offloaded sequence)
 
 
-def cpu_pool_blocks(gib: float, bytes_per_block: int) -> int:
-    """How many blocks `gib` GiB holds, capped at a safe fraction of free RAM (with a warning); the
-    pool takes exactly that many blocks' bytes."""
+def cpu_pool_bytes(gib: float) -> int:
+    """`gib` GiB in bytes, capped at a safe fraction of free RAM (with a warning)."""
     want = int(gib * 2**30)
     cap = int(available_ram_bytes() * SAFE_RAM_FRACTION)
     if want > cap:
         warnings.warn(f"cpu_offload_gib={gib} exceeds {SAFE_RAM_FRACTION:.0%} of free RAM; "
                       f"the CPU pool is capped at {cap / 2**30:.2f} GiB", stacklevel=3)
         want = cap
-    return want // bytes_per_block
+    return want
 
 
 def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
@@ -47,12 +49,20 @@ def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
 
 class CpuPool:
     """Per tensor of the device cache, `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: each CPU
-    block is contiguous, so runs of slots move in single copies."""
+    block is contiguous, so runs of slots move in single copies. With `states`, up to `STATE_SHARE` of the
+    pool holds state slots, one per offloaded sequence and at most `max_seqs`."""
 
-    def __init__(self, kv_cache: KvCache, gib: float) -> None:
+    def __init__(self, kv_cache: KvCache, gib: float, states: StateCache | None = None, max_seqs: int = 0) -> None:
         self.kv_cache = kv_cache
         self.bytes_per_block = kv_cache.bytes_per_block
-        self.num_blocks = cpu_pool_blocks(gib, self.bytes_per_block)
+        budget = cpu_pool_bytes(gib)
+        self.states = states
+        per_slot = states.nbytes // states.num_slots if states else 0
+        num_states = min(max_seqs, int(budget * STATE_SHARE) // per_slot) if states else 0
+        self.state_slots = {key: pinned_empty((num_states, *t.shape[1:]), t.dtype, t.device)
+                            for key, t in states.tensors.items()} if states else {}
+        self.free_states: deque[int] = deque(range(num_states))
+        self.num_blocks = (budget - num_states * per_slot) // self.bytes_per_block
         self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)
                        for t in kv_cache.tensors]
         self.free: deque[int] = deque(range(self.num_blocks))
@@ -95,8 +105,11 @@ class CpuPool:
             yield
         compute.wait_stream(self.stream)
 
-    def copy_to_cpu(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block -> CPU block for each (device, cpu) pair: one gather, then a copy per run."""
+    def copy_to_cpu(self, pairs: list[tuple[int, int]], states: list[tuple[int, int]] = ()) -> None:
+        """Device block -> CPU block for each (device, cpu) pair: one gather, then a copy per run; and the
+        recurrent state of each (row, state slot) pair."""
+        if states:
+            self._states_out(states)
         if not pairs:
             return
         device_ids = self.staging.send({"ids": np.array([d for d, _ in pairs], np.int64)})["ids"]
@@ -106,8 +119,11 @@ class CpuPool:
                 for first, slot, n in spans:
                     blocks[slot:slot + n].copy_(gathered[first:first + n], non_blocking=True)
 
-    def copy_to_device(self, pairs: list[tuple[int, int]]) -> None:
-        """CPU block -> device block for each (cpu, device) pair: a copy per run, then one scatter."""
+    def copy_to_device(self, pairs: list[tuple[int, int]], states: list[tuple[int, int]] = ()) -> None:
+        """CPU block -> device block for each (cpu, device) pair: a copy per run, then one scatter; and the
+        recurrent state of each (state slot, row) pair."""
+        if states:
+            self._states_in(states)
         if not pairs:
             return
         device_ids = self.staging.send({"ids": np.array([d for _, d in pairs], np.int64)})["ids"]
@@ -119,3 +135,31 @@ class CpuPool:
                 for first, slot, n in spans:
                     dst[first:first + n].copy_(blocks[slot:slot + n], non_blocking=True)
             self.kv_cache.scatter(device_ids, moved)
+
+    def take_state(self) -> int | None:
+        """A free state slot, or None when every one holds an offloaded sequence's state."""
+        return self.free_states.popleft() if self.free_states else None
+
+    def release_state(self, slot: int) -> None:
+        """Give a state slot back."""
+        self.free_states.append(slot)
+
+    def _states_out(self, pairs: list[tuple[int, int]]) -> None:
+        """The recurrent state of each (device row, state slot) pair, copied into the slot."""
+        rows = self.staging.send({"rows": np.array([r for r, _ in pairs], np.int64)})["rows"]
+        with self._on_copy_stream():
+            for key, slots in self.state_slots.items():
+                gathered = self.states.tensors[key].index_select(0, rows)
+                for i, (_, slot) in enumerate(pairs):
+                    slots[slot].copy_(gathered[i], non_blocking=True)
+
+    def _states_in(self, pairs: list[tuple[int, int]]) -> None:
+        """The recurrent state in each (state slot, device row) pair's slot, copied into the row."""
+        rows = self.staging.send({"rows": np.array([r for _, r in pairs], np.int64)})["rows"]
+        with self._on_copy_stream():
+            for key, slots in self.state_slots.items():
+                device = self.states.tensors[key]
+                moved = torch.empty((len(pairs), *device.shape[1:]), dtype=device.dtype, device=device.device)
+                for i, (slot, _) in enumerate(pairs):
+                    moved[i].copy_(slots[slot], non_blocking=True)
+                device.index_copy_(0, rows, moved)

@@ -31,7 +31,7 @@ class Offloader:
         if self.cpu_pool is None or not seq.is_forked or seq.num_uncomputed != 1:
             return False
         copy = [self.pool.ref_counts[b] == 1 or self.pool.hashes[b] is None for b in seq.block_table]
-        if sum(copy) > self.cpu_pool.num_free:
+        if sum(copy) > self.cpu_pool.num_free or not self._offload_state(seq, batch):
             return False
         cpu = iter(self.cpu_pool.allocate(sum(copy)))
         slots = [next(cpu) if c else -1 for c in copy]
@@ -42,6 +42,18 @@ class Offloader:
         seq.cpu_blocks = slots
         self.offloaded.append(seq)
         self.offloads += 1
+        return True
+
+    def _offload_state(self, seq: Sequence, batch: Batch) -> bool:
+        """Queue the copy of `seq`'s recurrent state out of its row, when the model has one; False when no
+        state slot is free."""
+        if self.cpu_pool.states is None:
+            return True
+        slot = self.cpu_pool.take_state()
+        if slot is None:
+            return False
+        seq.cpu_state = slot
+        batch.state_offloads.append((seq.row, slot))
         return True
 
     def plan_restore(self, seq: Sequence) -> tuple[list[int | None], int] | None:
@@ -74,11 +86,17 @@ class Offloader:
                     self.pool.register(found, seq.block_hashes[i], seq.block_tokens(i, bs))
             seq.block_table.append(found)
         self.cpu_pool.release([s for s in slots if s >= 0])
+        if seq.cpu_state >= 0:
+            batch.state_restores.append((seq.cpu_state, seq))
+            self.cpu_pool.release_state(seq.cpu_state)
+            seq.cpu_state = -1
         seq.status = Status.RUNNING
         self.restores += 1
 
     def drop(self, seq: Sequence) -> None:
         """Forget an offloaded copy (its sequence will be recomputed, or was aborted)."""
         self.cpu_pool.release([s for s in seq.cpu_blocks if s >= 0])
-        seq.cpu_blocks = []
+        if seq.cpu_state >= 0:
+            self.cpu_pool.release_state(seq.cpu_state)
+        seq.cpu_blocks, seq.cpu_state = [], -1
         self.offloaded.remove(seq)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Callable
 
 import msgspec
@@ -22,8 +21,6 @@ import torch
 
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionMetadata, current_metadata
-
-logger = logging.getLogger(__name__)
 
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 # Per-token arguments a decoder layer forwards to its mixer that transformers' mixers only pass along to
@@ -218,13 +215,10 @@ class Mixers:
         return torch.cat(outs, dim=1)
 
 
-def without_kv_reuse(config: EngineConfig) -> EngineConfig:
-    """`config` for a model with recurrent state: no prefix caching and no CPU offload, since both bring
-    back KV without the state at its end; a preempted sequence is recomputed instead."""
-    if config.cpu_offload_gib:
-        logger.warning("cpu_offload_gib=%s ignored: a model with linear-attention or state-space layers "
-                       "recomputes preempted sequences (their state is not offloaded)", config.cpu_offload_gib)
-    return msgspec.structs.replace(config, enable_prefix_caching=False, cpu_offload_gib=0.0)
+def without_prefix_caching(config: EngineConfig) -> EngineConfig:
+    """`config` for a model with recurrent state: no prefix caching, since a cached prefix's KV comes
+    without the state at its end (a preempted sequence is offloaded with its state, or recomputed)."""
+    return msgspec.structs.replace(config, enable_prefix_caching=False)
 
 
 def _segments(cu: np.ndarray) -> list[tuple[int, int]]:

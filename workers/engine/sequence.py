@@ -83,6 +83,7 @@ class Sequence:
     num_preemptions: int = 0
     fork_blocks: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
+    cpu_state: int = -1  # the CPU pool's state slot holding an offloaded sequence's recurrent state
     row: int = -1
 
     def __post_init__(self) -> None:
