@@ -33,6 +33,9 @@ MODELS = {
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
+    # transformers' default Qwen3.5 text config: 32 layers, three Gated DeltaNet layers to one attention layer,
+    # hidden 4096 (its roofline counts the attention layers' KV, not the linear layers' state traffic)
+    "qwen3.5": ("Qwen3_5TextConfig", dict(vocab_size=248320, max_position_embeddings=40960, tie_word_embeddings=False)),
     "tiny": ("Qwen3Config", dict(  # --smoke only
         vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False)),

@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gpu_runs import BLOCK_SIZE, MODELS, WORKLOADS  # noqa: E402
 
+DENSE = [m for m in MODELS if m not in ("tiny", "qwen3.5")]  # the estimate's KV and step costs are a dense model's
+
 from rollout import SamplingParams  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
@@ -111,7 +113,7 @@ def estimate(tiny: Path, model: str, workload: str, args: argparse.Namespace) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options, checked before any work."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=[m for m in MODELS if m != "tiny"], default=["qwen3-1.7b"],
+    parser.add_argument("--models", nargs="+", choices=DENSE, default=["qwen3-1.7b"],
                         help="bench_gpu's model shapes to cost (default qwen3-1.7b)")
     parser.add_argument("--workloads", nargs="+", choices=ROLLOUTS, default=ROLLOUTS[:4],
                         help=f"workloads (default {' '.join(ROLLOUTS[:4])}; rollouts_16384 takes minutes)")
