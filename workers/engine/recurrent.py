@@ -203,15 +203,15 @@ class Mixers:
             return out
 
         if meta.max_seqlen_q == 1:
-            return call(hidden[0, :, None], meta.rows, meta.seq_lens <= 1).transpose(0, 1)
+            return call(hidden.transpose(0, 1), meta.rows, meta.seq_lens <= 1).transpose(0, 1)
         cu, seq_lens = meta.host_cu_seqlens_q, meta.host_seq_lens
         outs = []
         for a, b in _segments(cu):
-            if cu[b] - cu[a] == b - a:
-                fresh = torch.as_tensor(seq_lens[a:b] <= 1).to(hidden.device, non_blocking=True)
-                outs.append(call(hidden[0, cu[a]:cu[b], None], meta.rows[a:b], fresh).transpose(0, 1))
+            rows, x = meta.rows[a:b], hidden[:, cu[a]:cu[b]]
+            if cu[b] - cu[a] == b - a:  # one token each: the batch is the sequences
+                outs.append(call(x.transpose(0, 1), rows, meta.seq_lens[a:b] <= 1).transpose(0, 1))
             else:
-                outs.append(call(hidden[:, cu[a]:cu[b]], meta.rows[a:b], bool(seq_lens[a] == cu[b] - cu[a])))
+                outs.append(call(x, rows, bool(seq_lens[a] == cu[b] - cu[a])))
         return torch.cat(outs, dim=1)
 
 
