@@ -1,5 +1,6 @@
 """The GPU-shaped step on a real GPU: one host wait per decode step (eager and through decode graphs,
-with and without async batching, and in steps that offload or restore), decode graphs captured at start
+with and without async batching, in steps that offload or restore, and with a linear-attention hybrid's
+state slots), decode graphs captured at start
 and replaying like the eager forward, automatic sizing within the card's budget, and an exact-size pinned
 CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
 
@@ -64,6 +65,23 @@ def test_one_sync_per_decode_step(model_dir, monkeypatch, graphs, async_batching
     replays = engine.runner.graphs.replays if graphs[1] else 0
     assert decode_syncs(engine, 8, monkeypatch) == [1] * 8
     assert (engine.runner.graphs.replays == replays + 8) if graphs[1] else engine.runner.graphs is None
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("graphs", [(False, False), (False, True)], ids=["eager", "graphs"])
+def test_a_hybrids_state_slots_add_no_host_wait(zoo_dir, monkeypatch, graphs):
+    """Qwen3.5's Gated DeltaNet layers, run by transformers' code on their state slots (gathered, updated,
+    written back), still leave one wait per decode step."""
+    engine = Engine(EngineConfig(model=zoo_dir("qwen3_5_text"), device="cuda", max_num_seqs=16, cuda_graphs=graphs,
+                                 async_batching=True))
+    for i, prompt in enumerate(random_prompts(6, 128, (5, 40), seed=3)):
+        engine.add_request(prompt, SamplingParams(temperature=0.8, max_new_tokens=64, seed=i, ignore_eos=True),
+                           prompt_index=i)
+    while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    assert decode_syncs(engine, 8, monkeypatch) == [1] * 8
     engine.check_integrity()
 
 
