@@ -231,13 +231,14 @@ ZOO: dict[str, tuple[type, dict]] = {
                                       "mamba_d_state": 8}),  # attention and Mamba side by side in every layer
     "nemotron_h": (tf.NemotronHConfig, {**_LLAMA_LIKE, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
                                         "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 8}),
+    # Mamba layers that restart from zero state at a multi-token forward: prompt chunks after the first go stepwise
+    "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+                               "use_mamba_kernels": False}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 2,
                                  "max_position_embeddings": 256}),
-    "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
-                               "use_mamba_kernels": False}),
     "minimax": (tf.MiniMaxConfig, {**_LLAMA_LIKE, "layer_types": ["linear_attention", "full_attention"],
                                    "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}),
     "llama4_text": (tf.Llama4TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "attention_chunk_size": 8,

@@ -34,9 +34,13 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text", "kolibri1", "minimax_m3_vl_text", "sarvam_moe",
     "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
-    "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h"})
+    "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h",
+    "jamba"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Types whose mixers' multi-token forward always starts from zero state: their prompt chunks after the
+# first run one token per call (recurrent.py).
+_STEPWISE_STATE_TYPES = {"jamba"}
 # Layers whose state recurrent.py keeps: accepted in the verified types only.
 _MIXER_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -46,8 +50,6 @@ _REFUSED_MODEL_TYPES = {
     "gptj": _NO_ATTENTION_INTERFACE, "codegen": _NO_ATTENTION_INTERFACE, "xglm": _NO_ATTENTION_INTERFACE,
     "gpt_neo": _NO_ATTENTION_INTERFACE, "falcon": _NO_ATTENTION_INTERFACE,
     "mamba": "state-space (Mamba) layers", "mamba2": "state-space (Mamba) layers",
-    "jamba": "Mamba layers whose multi-token forward always starts from zero state (a prompt prefilled in "
-             "chunks, or recomputed, would lose what came before)",
     "recurrent_gemma": "recurrent (RG-LRU) layers",
     "doge": "dynamic mask attention (a bias computed from the values)",
 }
@@ -106,7 +108,7 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     """Route `model`'s linear-attention and state-space layers to per-sequence state, check what a probe
     forward sees of its attention, make its RoPE per sequence and free of per-step host copies; returns
     the layout of its paged cache and its mixers (their state shapes recorded by the probe)."""
-    mixers = Mixers(model)
+    mixers = Mixers(model, stepwise=model.config.model_type in _STEPWISE_STATE_TYPES)
     layout = kv_layout(model, mixers.layers)
     install_per_sequence_longrope(model)
     cache_rope_init(model)

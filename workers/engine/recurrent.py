@@ -157,9 +157,12 @@ class StateCache:
 
 class Mixers:
     """The mixer layers of a model, their forwards wrapped to keep state in `states` (None until the
-    probe forward has recorded `layout`, each state's shape and dtype)."""
+    probe forward has recorded `layout`, each state's shape and dtype). `stepwise`: the mixers' multi-token
+    forward always starts from zero state (Jamba's Mamba layers), so a chunk continuing a sequence runs
+    one token per call."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, stepwise: bool = False) -> None:
+        self.stepwise = stepwise
         self.layers: list[int] = []
         self.layout: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
         self.states: StateCache | None = None
@@ -208,10 +211,13 @@ class Mixers:
         outs = []
         for a, b in _segments(cu):
             rows, x = meta.rows[a:b], hidden[:, cu[a]:cu[b]]
+            fresh = bool(seq_lens[a] == cu[b] - cu[a])
             if cu[b] - cu[a] == b - a:  # one token each: the batch is the sequences
                 outs.append(call(x.transpose(0, 1), rows, meta.seq_lens[a:b] <= 1).transpose(0, 1))
+            elif self.stepwise and not fresh:
+                outs += [call(x[:, i:i + 1], rows, False) for i in range(x.shape[1])]
             else:
-                outs.append(call(x, rows, bool(seq_lens[a] == cu[b] - cu[a])))
+                outs.append(call(x, rows, fresh))
         return torch.cat(outs, dim=1)
 
 
