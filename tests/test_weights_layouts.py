@@ -40,3 +40,18 @@ def test_a_checkpoint_layout_that_does_not_convert_is_refused_and_nothing_change
             engine.update_weights(bad, version=1)
     assert engine.policy_version == 0
     torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)
+
+
+def test_names_transformers_ignores_on_load_are_ignored_and_no_others(zoo_dir):
+    """Qwen3.5's checkpoints hold a vision tower and a multi-token-prediction head that its text-only causal LM
+    leaves out on load: an update carrying them updates the rest; a name transformers would not ignore is
+    still refused."""
+    engine = make_engine(zoo_dir("qwen3_5"))
+    state = dict(load_source(zoo_dir("qwen3_5", seed=1)))
+    assert any(key.startswith("model.visual.") for key in state)
+    engine.update_weights({**state, "mtp.fc.weight": torch.zeros(2, 2)}, version=1)
+    torch.testing.assert_close(engine.state_dict(), make_engine(zoo_dir("qwen3_5", seed=1)).state_dict(),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unexpected 'model.vision.extra'"):
+        engine.update_weights({**state, "model.vision.extra": torch.zeros(2)}, version=2)
+    assert engine.policy_version == 1
