@@ -33,7 +33,7 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text",
             "kolibri1", "minimax_m3_vl_text", "sarvam_moe", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
-            "flint", *HYBRID]
+            "flint", "dbrx", *HYBRID]
 REFUSED = {
     "minimax": "layer type 'linear_attention'", "llama4_text": "chunked", "llama_dynamic_rope": "rope type 'dynamic'",
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
@@ -45,7 +45,7 @@ REFUSED = {
 # Mamba-2's recurrent decode step and its chunked scan over a whole text round differently in float32: on
 # this tiny model transformers' own `generate` logprobs differ from its forward's by 1.4e-4 at prompt 4.
 LOGPROB_ABS = {"nemotron_h": 3e-4}
-MOE = [name for name in ACCEPTED if any("experts" in key for key in ZOO[name][1])]
+MOE = [name for name in ACCEPTED if "experts" in str(ZOO[name][1])]  # nested configs (text_config) too
 # Short prompts, one that crosses LongRoPE's original length (32) while decoding, and long ones that
 # start past it; with max_batch_tokens=16 the long ones are prefilled in chunks beside the others.
 PROMPT_LENGTHS = [3, 26, 40, 5, 37]
