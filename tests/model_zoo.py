@@ -196,6 +196,11 @@ ZOO: dict[str, tuple[type, dict]] = {
     "dbrx": (tf.DbrxConfig, {"vocab_size": VOCAB, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
                              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}),
+    "longcat_flash": (tf.LongcatFlashConfig, {  # MLA, and "zero" experts that return their input
+        "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "ffn_hidden_size": 64, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+        "head_dim": 4, "v_head_dim": 8, "qk_head_dim": 12, "moe_topk": 2, "n_routed_experts": 4, "zero_expert_num": 2,
+        "expert_ffn_hidden_size": 16, "max_position_embeddings": 256, "pad_token_id": 0}),
     # linear-attention and state-space hybrids, their state kept per sequence (workers/engine/recurrent.py)
     "qwen3_next": (tf.Qwen3NextConfig, {**_LLAMA_LIKE, **_DELTA, "head_dim": 8, "num_experts": 2,
                                         "num_experts_per_tok": 1, "moe_intermediate_size": 16}),
