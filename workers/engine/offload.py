@@ -61,6 +61,7 @@ class CpuPool:
         num_states = min(max_seqs, int(budget * STATE_SHARE) // per_slot) if states else 0
         self.state_slots = {key: pinned_empty((num_states, *t.shape[1:]), t.dtype, t.device)
                             for key, t in states.tensors.items()} if states else {}
+        self.num_states = num_states
         self.free_states: deque[int] = deque(range(num_states))
         self.num_blocks = (budget - num_states * per_slot) // self.bytes_per_block
         self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)

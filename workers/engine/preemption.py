@@ -93,6 +93,16 @@ class Offloader:
         seq.status = Status.RUNNING
         self.restores += 1
 
+    def check(self) -> None:
+        """Every CPU block and state slot is free or held by exactly one offloaded sequence."""
+        if self.cpu_pool is None:
+            return
+        pool = self.cpu_pool
+        blocks = [b for seq in self.offloaded for b in seq.cpu_blocks if b >= 0] + list(pool.free)
+        assert sorted(blocks) == list(range(pool.num_blocks)), "a CPU block leaked or is held twice"
+        states = [seq.cpu_state for seq in self.offloaded if seq.cpu_state >= 0] + list(pool.free_states)
+        assert sorted(states) == list(range(pool.num_states)), "a CPU state slot leaked or is held twice"
+
     def drop(self, seq: Sequence) -> None:
         """Forget an offloaded copy (its sequence will be recomputed, or was aborted)."""
         self.cpu_pool.release([s for s in seq.cpu_blocks if s >= 0])

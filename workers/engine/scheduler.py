@@ -292,14 +292,15 @@ class Scheduler:
                 "offloaded": len(self.offloader.offloaded)}
 
     def check_integrity(self) -> None:
-        """Block accounting balances, every block a sequence will still write is its alone, and the
-        block tables hold exactly each sequence's blocks."""
+        """Block accounting balances (the CPU pool's too), every block a sequence will still write is its
+        alone, and the block tables hold exactly each sequence's blocks."""
         seqs = self.sequences()
         self.pool.check_integrity([s.block_table for s in seqs] + [s.fork_blocks for s in seqs])
         for seq in seqs:
             for block in seq.block_table[seq.num_computed_tokens // self.block_size:]:
                 assert self.pool.ref_counts[block] == 1, f"block {block} is shared but still written"
         self.tables.check(seqs)
+        self.offloader.check()
 
 
 def _growing(decodes: list[Sequence], block_size: int) -> list[Sequence]:
