@@ -19,8 +19,16 @@ pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET"
                                           ("mistral", (False, True))], ids=["qwen3", "mistral", "mistral-graphs"])
 def test_triton_engine_matches_torch_engine(model_dir, arch, graphs):
     """Also with decode graphs (captured on a GPU): padded decode steps through the Triton kernels."""
-    path = model_dir(arch)
-    prompts = random_prompts(4, 512, (5, 30), seed=40)
+    assert_triton_matches_torch(model_dir(arch), random_prompts(4, 512, (5, 30), seed=40), graphs)
+
+
+def test_a_linear_attention_hybrid_on_triton_matches_torch(zoo_dir):
+    """Qwen3.5's attention layer through the Triton kernels beside its Gated DeltaNet layer's state slots,
+    forked samples and padded decode graphs included."""
+    assert_triton_matches_torch(zoo_dir("qwen3_5_text"), random_prompts(4, 128, (5, 30), seed=40), (False, True))
+
+
+def assert_triton_matches_torch(path: str, prompts: list[list[int]], graphs: tuple[bool, bool]) -> None:
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
     config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")
     want = run(make_engine(path, attention_backend="torch", **config), prompts, params)
