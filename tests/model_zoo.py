@@ -242,6 +242,12 @@ ZOO: dict[str, tuple[type, dict]] = {
     # Mamba layers that restart from zero state at a multi-token forward: prompt chunks after the first go stepwise
     "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
                                "use_mamba_kernels": False}),
+    # no attention at all: the state is all there is (Mamba and Falcon-Mamba restart like Jamba)
+    "mamba2": (tf.Mamba2Config, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
+                                 "head_dim": 16, "state_size": 8, "n_groups": 1, "expand": 2}),
+    "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
+    "falcon_mamba": (tf.FalconMambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+                                            "state_size": 4}),
     # families the engine refuses, with the feature it names
     "gptj": (tf.GPTJConfig, {**_GPT, "rotary_dim": 4}),
     "falcon": (tf.FalconConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
@@ -266,7 +272,6 @@ ZOO: dict[str, tuple[type, dict]] = {
     "recurrent_gemma": (tf.RecurrentGemmaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "lru_width": 32, "attention_window_size": 16}),
-    "mamba": (tf.MambaConfig, {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 4}),
     "doge": (tf.DogeConfig, _FOUR),
     # bidirectional attention everywhere (embedding models such as EmbeddingGemma)
     "gemma3_bidirectional": (tf.Gemma3TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "use_bidirectional_attention": True}),

@@ -41,11 +41,13 @@ def test_forked_samples_start_from_the_prompts_state(zoo_dir):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_batching", [False, True])
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "recompute"])
-def test_preempted_sequences_keep_their_state(zoo_dir, offload, async_batching, device):
+@pytest.mark.parametrize("name", [MODEL, "mamba2"])
+def test_preempted_sequences_keep_their_state(zoo_dir, name, offload, async_batching, device):
     """A cache too small for every sample preempts: a sequence offloaded takes its state to the CPU pool and
     back into whatever row it gets; one recomputed starts from zero state. Decode steps take the graphs'
-    padded path (captured on a GPU), whose padding rows write a spare slot."""
-    stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, num_blocks=12, async_batching=async_batching,
+    padded path (captured on a GPU), whose padding rows write a spare slot. Mamba-2 has no attention: its
+    blocks only bound each sequence's length."""
+    stats = assert_every_sample_exact(zoo_dir(name), n=2, num_blocks=12, async_batching=async_batching,
                                       cuda_graphs=(False, True), cpu_offload_gib=0.5 if offload else 0,
                                       device=device)
     assert stats["cached_prefix_tokens"] == 0
@@ -113,3 +115,12 @@ def test_a_sequence_taking_a_used_slot_starts_from_zero_state(zoo_dir, beside):
     want = greedy_references(model, [fresh])[0][:8]
     assert rows[2]["token_ids"] == want
     assert rows[2]["logprobs"] == pytest.approx(forward_logprobs(model, fresh, want), abs=1e-4)
+
+
+def test_a_model_without_attention_keeps_only_a_placeholder_kv(zoo_dir):
+    """Mamba-2: one one-element K/V in layer 0, never read, so blocks are counted as for any model; with no
+    position limit in its config, sequences may reach 32768 tokens unless `max_model_len` says less."""
+    runner = make_engine(zoo_dir("mamba2"), block_size=8, num_blocks=16).runner
+    assert runner.layout.shapes == ((1, 1), None) and runner.bytes_per_block == 2 * 8 * 4
+    assert runner.max_model_len == 32768
+    assert make_engine(zoo_dir("mamba2"), block_size=8, num_blocks=16, max_model_len=100).max_model_len == 100

@@ -57,6 +57,20 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+# A model with no position limit (a state-space model has no position embeddings) serves this many tokens
+# per sequence unless `max_model_len` says otherwise.
+UNBOUNDED_MAX_MODEL_LEN = 32768
+
+
+def _max_model_len(config: EngineConfig, hf: transformers.PretrainedConfig) -> int:
+    """`config.max_model_len`, at most the model's `max_position_embeddings` (or UNBOUNDED_MAX_MODEL_LEN when
+    the model has none and none is configured)."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    if limit is None:
+        return config.max_model_len or UNBOUNDED_MAX_MODEL_LEN
+    return min(config.max_model_len or limit, limit)
+
+
 @dataclass
 class StepInputs:
     """A step's device inputs, and how many sampling rows it has (one per sample of each sequence that
@@ -97,7 +111,7 @@ class ModelRunner:
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
-        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
+        self.max_model_len = _max_model_len(config, hf)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
         self.staging = Staging(self.device)

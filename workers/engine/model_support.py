@@ -35,12 +35,12 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint", "dbrx", "longcat_flash",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
     "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h",
-    "jamba"})
+    "jamba", "mamba", "mamba2", "falcon_mamba"})
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Types whose mixers' multi-token forward always starts from zero state: their prompt chunks after the
 # first run one token per call (recurrent.py).
-_STEPWISE_STATE_TYPES = {"jamba"}
+_STEPWISE_STATE_TYPES = {"jamba", "mamba", "falcon_mamba"}
 # Layers whose state recurrent.py keeps: accepted in the verified types only.
 _MIXER_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
@@ -49,7 +49,6 @@ _REFUSED_MODEL_TYPES = {
     "bloom": "ALiBi position biases", "mpt": "ALiBi position biases",
     "gptj": _NO_ATTENTION_INTERFACE, "codegen": _NO_ATTENTION_INTERFACE, "xglm": _NO_ATTENTION_INTERFACE,
     "gpt_neo": _NO_ATTENTION_INTERFACE, "falcon": _NO_ATTENTION_INTERFACE,
-    "mamba": "state-space (Mamba) layers", "mamba2": "state-space (Mamba) layers",
     "recurrent_gemma": "recurrent (RG-LRU) layers",
     "doge": "dynamic mask attention (a bias computed from the values)",
 }
@@ -154,13 +153,15 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
         set_backend(None)
     layers = [layer for layer, _, _ in probe.calls]
     expected = list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
-    if not layers or sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
+    if sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers}; state-space layers: {mixer_layers})")
     mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape]
     if mismatched:
         raise refuse(model_type, f"keys and values of different shapes (layers {mismatched})")
-    shapes = {layer: tuple(k.shape[1:]) for layer, k, _ in probe.calls}
+    # a model without attention (Mamba) keeps a one-element placeholder K/V in layer 0, never read: blocks
+    # still bound each sequence's length and are counted as ever
+    shapes = {layer: tuple(k.shape[1:]) for layer, k, _ in probe.calls} or {0: (1, 1)}
     owners = dict(zip(layers, _owners(probe.calls)))
     return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected))
 
