@@ -135,9 +135,9 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
 
     Raises `ValueError` unless every decoder layer either calls our attention exactly once with K and V
     of one shape (values narrower than keys, as in multi-head latent attention, arrive padded), or is
-    one of `mixer_layers` (linear attention, state space; those may attend too), and one layer at least
-    attends; so attention outside the interface is refused. A layer handed the very K/V tensors an
-    earlier layer computed (KV sharing) reads that layer's cache.
+    one of `mixer_layers` (linear attention, state space; those may attend too); so attention outside the
+    interface is refused. A layer handed the very K/V tensors an earlier layer computed (KV sharing) reads
+    that layer's cache.
     """
     probe = _ShapeProbe()
     device = next(model.parameters()).device
