@@ -43,8 +43,8 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states,
-                                config.max_num_seqs) if config.cpu_offload_gib else None
+        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states, config.max_num_seqs,
+                                self.runner.tables.array.size) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
                                    self.runner.rope_switch_length)
         self.groups: dict[str, Group] = {}

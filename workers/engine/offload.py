@@ -50,9 +50,11 @@ def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
 class CpuPool:
     """Per tensor of the device cache, `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`: each CPU
     block is contiguous, so runs of slots move in single copies. With `states`, up to `STATE_SHARE` of the
-    pool holds state slots, one per offloaded sequence and at most `max_seqs`."""
+    pool holds state slots, one per offloaded sequence and at most `max_seqs`; never more than `max_blocks`
+    blocks (what every sequence could hold: a model without attention has tiny placeholder blocks)."""
 
-    def __init__(self, kv_cache: KvCache, gib: float, states: StateCache | None = None, max_seqs: int = 0) -> None:
+    def __init__(self, kv_cache: KvCache, gib: float, states: StateCache | None = None, max_seqs: int = 0,
+                 max_blocks: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.bytes_per_block = kv_cache.bytes_per_block
         budget = cpu_pool_bytes(gib)
@@ -64,6 +66,8 @@ class CpuPool:
         self.num_states = num_states
         self.free_states: deque[int] = deque(range(num_states))
         self.num_blocks = (budget - num_states * per_slot) // self.bytes_per_block
+        if max_blocks is not None:
+            self.num_blocks = min(self.num_blocks, max_blocks)
         self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)
                        for t in kv_cache.tensors]
         self.free: deque[int] = deque(range(self.num_blocks))

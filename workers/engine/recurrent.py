@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Callable
 
 import msgspec
@@ -21,6 +22,8 @@ import torch
 
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionMetadata, current_metadata
+
+logger = logging.getLogger(__name__)
 
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 # Per-token arguments a decoder layer forwards to its mixer that transformers' mixers only pass along to
@@ -224,6 +227,9 @@ class Mixers:
 def without_prefix_caching(config: EngineConfig) -> EngineConfig:
     """`config` for a model with recurrent state: no prefix caching, since a cached prefix's KV comes
     without the state at its end (a preempted sequence is offloaded with its state, or recomputed)."""
+    if config.enable_prefix_caching:
+        logger.info("prefix caching off: this model's linear-attention or state-space layers keep a state "
+                    "that a cached prefix's KV comes without")
     return msgspec.structs.replace(config, enable_prefix_caching=False)
 
 
