@@ -117,7 +117,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros(size, runner.tables.max_blocks, dtype=torch.int32, device=device)
         self.token_lengths = None if runner.rope_switch_length is None else torch.zeros_like(self.ids)
         # recurrent-state slots (recurrent.py); padding rows take the spare last one
-        self.pad_row = runner.config.max_num_seqs
+        self.pad_row = None if runner.states is None else runner.states.num_slots - 1
         self.rows = None if runner.states is None else torch.full_like(self.ids, self.pad_row)
         self.logits: torch.Tensor | None = None
         self.graphs: dict[tuple[int, ...], _Graph] = {}

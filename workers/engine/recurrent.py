@@ -42,7 +42,6 @@ class SlotView:
     def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor) -> None:
         self.states, self.rows, self.fresh = states, rows, fresh
         self.local: dict[StateKey, torch.Tensor] = {}
-        self.seen: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
 
     def _read(self, key: StateKey) -> torch.Tensor | None:
         if key not in self.local:
@@ -53,10 +52,6 @@ class SlotView:
                 slots = torch.where(self.fresh.view(-1, *[1] * (slots.dim() - 1)), 0, slots)
             self.local[key] = slots
         return self.local[key]
-
-    def _write(self, key: StateKey, value: torch.Tensor) -> None:
-        self.local[key] = value
-        self.seen[key] = (value.shape[1:], value.dtype)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The rows' convolution windows (None when they start afresh)."""
@@ -76,7 +71,7 @@ class SlotView:
         full = conv_states if old is None else torch.cat([old, conv_states], dim=-1)
         if full.shape[-1] < width:
             full = torch.nn.functional.pad(full, (width - full.shape[-1], 0))
-        self._write(key, full[..., -width:])
+        self.local[key] = full[..., -width:]
         return full
 
     def _width(self, key: StateKey, conv_states: torch.Tensor, conv_kernel_size: int | None) -> int:
@@ -87,7 +82,7 @@ class SlotView:
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
         """Keep the rows' new recurrent states."""
-        self._write((layer_idx, "recurrent", state_idx), recurrent_states)
+        self.local[(layer_idx, "recurrent", state_idx)] = recurrent_states
         return recurrent_states
 
     def is_recording_past(self, layer_idx: int) -> bool:
@@ -191,9 +186,9 @@ class Mixers:
             _check_args(args, kwargs)
             meta = current_metadata()
             if meta is None or self.states is None:
-                view = SlotView(None, None, True)
+                view = SlotView(None, None, True)  # the probe: every state starts afresh and is written
                 out = forward(hidden_states, **kwargs, **{cache_arg: view})
-                self.layout.update(view.seen)
+                self.layout.update({key: (value.shape[1:], value.dtype) for key, value in view.local.items()})
                 return out
             return self._run(forward, cache_arg, hidden_states, meta, kwargs)
         return mixer_forward
