@@ -7,16 +7,15 @@ eos ignored, temperature 1, on an engine built with the defaults (`EngineConfig(
 `generate` with its best batch of 4, 8 or 16 prompts per call, and `generate_batch` where transformers'
 continuous batching takes the model. Every linear-attention layer runs transformers' reference PyTorch
 code in both (no flash-linear-attention here), so the table compares the batching around it.
-Usage: python scripts/bench_hybrid.py [--prompts 16] [--n 8] [--new-tokens 64] [--rounds 2]
+Usage: python scripts/bench_hybrid.py [--prompts 16] [--n 8] [--new-tokens 64] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 
-from bench_cpu import MODEL, bench_generate_batch, best_generate, engine_run, make_prompts
+from bench_cpu import MODEL, make_prompts, print_rollout, rollout_rounds
 
 from workers.engine.tiny_models import build_tiny_model
 
@@ -26,29 +25,19 @@ HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_
 
 
 def main() -> None:
-    """Build the model, time each system over `--rounds` rounds and print the table."""
+    """Build the model, time the engine and `generate` in interleaved rounds, then `generate_batch`, and
+    print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout (default 16)")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens sampled per sample (default 64)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per system (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of engine and generate (default 2)")
     args = parser.parse_args()
-    path = str(build_tiny_model(tempfile.mkdtemp(), "qwen3_5_text", **MODEL, **HYBRID))
-    prompts = make_prompts(args.prompts)
-    label, generate = best_generate(path, prompts, args.n, args.new_tokens)
-    systems = {"this engine (defaults)": engine_run(path, prompts, args.n, args.new_tokens), label: generate}
-    results = {name: [run() for _ in range(args.rounds)] for name, run in systems.items()}
-    try:
-        results["transformers generate_batch"] = [bench_generate_batch(path, prompts, args.n, args.new_tokens)]
-    except Exception as err:  # noqa: BLE001 - reported in the table, whatever transformers raises
-        print(f"transformers generate_batch failed: {type(err).__name__}: {err}")
-    base = statistics.median(results[label])
-    print(f"\ncpu-hybrid-rollout: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
-          f"{args.rounds} rounds")
-    print(f"{'system':<56}{'tokens/s':>10}{'vs generate':>13}")
-    for name, values in results.items():
-        mid = statistics.median(values)
-        print(f"{name:<56}{mid:>10.0f}{mid / base:>12.2f}x")
+    args.skip_hf = False
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(build_tiny_model(tmp, "qwen3_5_text", **MODEL, **HYBRID))
+        results = rollout_rounds(path, make_prompts(args.prompts), args)
+    print_rollout(results, args, "cpu-hybrid-rollout")
 
 
 if __name__ == "__main__":
