@@ -5,8 +5,9 @@
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
 #     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores,
 #     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), a model whose layers
-#     have other K/V shapes (Gemma 4), or keys wider than values (MLA), gives the torch backend's tokens
-#     through the Triton kernels and graphs (tests/test_kv_cache.py), every accepted model family stays
+#     have other K/V shapes (Gemma 4), keys wider than values (MiMo-V2-Flash) or a cached latent (DeepSeek-V3:
+#     one KV head whose values are its keys' first columns; DeepSeek's own widths in test_triton_kernels)
+#     gives the torch backend's tokens through the Triton kernels and graphs (tests/test_kv_cache.py), every accepted model family stays
 #     exact through captured decode graphs in float32, and the MoE families in bfloat16, the one dtype
 #     their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py), and a linear-attention
 #     hybrid's per-sequence state survives forks, preemption and graph padding on the GPU

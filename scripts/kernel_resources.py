@@ -7,7 +7,7 @@ architecture, and `TritonBackend.forward` then compiles, without running, every 
 few real model shapes. This catches what the interpreter cannot: compile errors, bfloat16, spills.
 Run it without TRITON_INTERPRET (the interpreter replaces the compiler).
 
-Usage: python scripts/kernel_resources.py [--arch 80 90] [--dtype bfloat16 float16]
+Usage: python scripts/kernel_resources.py [--arch 80 90] [--dtype bfloat16 float16] [--models ...]
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ MODELS = {
     "gemma2-9b": (16, 8, 256, 4096, 50.0, False),
     "gemma4-31b-window": (32, 16, 256, 1024, None, False),
     "gemma4-31b-global": (32, 4, 512, None, None, False),
-    "deepseek-v2-lite": (16, 16, 192, None, None, False),  # MLA: keys 128 + 64 wide, values padded to them
+    "deepseek-v2-lite": (16, 16, 192, None, None, False),  # MLA expanded: keys 128 + 64 wide, values padded
+    "deepseek-v2-lite-latent": (16, 1, 576, None, None, False),  # MLA latent: one head of 512 + 64, V = K
+    "deepseek-v3-latent": (128, 1, 576, None, None, False),
     "gpt-oss-20b": (64, 8, 64, 128, None, True),
 }
+# latent attention: the values' width, the first columns of the keys (one cache plane)
+LATENT_V_DIM = {"deepseek-v2-lite-latent": 512, "deepseek-v3-latent": 512}
 # path: (query tokens per sequence, forced KV splits)
 PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}
 KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
@@ -94,7 +98,8 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
     heads, kv_heads, head_dim, window, softcap, sinks = MODELS[model]
     q_len, splits = PATHS[path]
     block_size, seqs = 16, 2
-    cache = torch.zeros(1, 2, 8, block_size, kv_heads, head_dim, dtype=dtype)
+    v_dim = LATENT_V_DIM.get(model, head_dim)
+    cache = torch.zeros(1, 2 if v_dim == head_dim else 1, 8, block_size, kv_heads, head_dim, dtype=dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(seqs * q_len, dtype=torch.int64),
         cu_seqlens_q=torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32),
@@ -104,7 +109,8 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
     backend.prepare_metadata(meta)
     q = torch.zeros(seqs * q_len, heads, head_dim, dtype=dtype)
     k = torch.zeros(seqs * q_len, kv_heads, head_dim, dtype=dtype)
-    backend.forward(0, q, k, k, head_dim ** -0.5, window, softcap, torch.zeros(heads, dtype=dtype) if sinks else None)
+    backend.forward(0, q, k, k[..., :v_dim], head_dim ** -0.5, window, softcap,
+                    torch.zeros(heads, dtype=dtype) if sinks else None)
 
 
 def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
@@ -131,11 +137,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capability")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
                         choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="model shapes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     print(ROW.format("arch", "dtype", "model", "path", "kernel", "regs", "stack", "smem"))
-    for arch, dtype, model, path in itertools.product(args.arch, args.dtype, MODELS, PATHS):
+    for arch, dtype, model, path in itertools.product(args.arch, args.dtype, args.models, PATHS):
         compile_and_report(arch, dtype, model, path)
 
 

@@ -35,20 +35,22 @@ def make_metadata(pairs: list[tuple[int, int]], block_size: int, num_blocks: int
 
 def random_step(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
                 pad_tokens: int, device: str, dtype: torch.dtype, num_blocks: int = 0,
-                width: int = 1) -> tuple:
+                width: int = 1, v_dim: int | None = None) -> tuple:
     """Metadata, a random two-layer cache (at least `num_blocks` blocks) and q/k/v `[T, H, D]`
-    (non-contiguous, as a model's attention hands them over), seeded by the shapes."""
+    (non-contiguous, as a model's attention hands them over), seeded by the shapes. With `v_dim` the
+    values are the first `v_dim` of the keys, and the cache holds one plane (latent attention)."""
     gen = torch.Generator().manual_seed(sum(q + k for q, k in pairs) + head_dim + block_size)
     num_heads, num_kv_heads = heads
     num_blocks = max(num_blocks, sum(-(-k // block_size) for _, k in pairs) + 3)
     meta = make_metadata(pairs, block_size, num_blocks, pad_tokens, gen, device, width)
     num_tokens = meta.slot_mapping.shape[0]
-    cache = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    planes = 2 if v_dim is None else 1
+    cache = torch.randn(2, planes, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(num_heads, num_tokens, head_dim, generator=gen) * 2
     k, v = torch.randn(2, num_kv_heads, num_tokens, head_dim, generator=gen)
     cache, q, k, v = (x.to(device, dtype) for x in (cache, q.transpose(0, 1), k.transpose(0, 1),
                                                      v.transpose(0, 1)))
-    return meta, cache, q, k, v
+    return meta, cache, q, k, (v if v_dim is None else k[..., :v_dim])
 
 
 def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata, q: torch.Tensor,
@@ -60,7 +62,9 @@ def assert_matches_reference(backend: AttentionBackend, meta: AttentionMetadata,
     outputs = []
     for each, dt in ((reference, torch.float32), (backend, q.dtype)):
         each.prepare_metadata(meta)
-        outputs.append(each.forward(1, q.to(dt), k.to(dt), v.to(dt), q.shape[2] ** -0.5, window,
+        k_dt = k.to(dt)
+        v_dt = k_dt[..., :v.shape[-1]] if v.data_ptr() == k.data_ptr() else v.to(dt)
+        outputs.append(each.forward(1, q.to(dt), k_dt, v_dt, q.shape[2] ** -0.5, window,
                                     softcap, None if sinks is None else sinks.to(dt)).float())
     valid = int(meta.cu_seqlens_q[-1])
     tolerance = TOLERANCE[q.dtype]

@@ -14,10 +14,11 @@ from workers.engine.attention.torch_backend import TorchBackend
 from workers.engine.kv_cache import KvCache
 
 
-def kv_cache(dtype: torch.dtype = torch.float16, block_size: int = 256,
-             head_dim: int = 64, tensor_type: type = torch.Tensor) -> KvCache:
-    """A tiny one-layer cache on CPU (of `tensor_type`, a subclass that may pretend to be on CUDA)."""
-    return KvCache.of(torch.zeros(1, 2, 2, block_size, 2, head_dim, dtype=dtype).as_subclass(tensor_type))
+def kv_cache(dtype: torch.dtype = torch.float16, block_size: int = 256, head_dim: int = 64,
+             tensor_type: type = torch.Tensor, planes: int = 2) -> KvCache:
+    """A tiny one-layer cache on CPU (of `tensor_type`, a subclass that may pretend to be on CUDA); one plane:
+    its values are its keys (latent attention)."""
+    return KvCache.of(torch.zeros(1, planes, 2, block_size, 2, head_dim, dtype=dtype).as_subclass(tensor_type))
 
 
 def stub_flash_attn() -> types.ModuleType:
@@ -85,6 +86,7 @@ def test_flash_attn_missing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     (kv_cache(block_size=16), "multiple of 256, got block_size=16"),
     (kv_cache(block_size=384), "multiple of 256, got block_size=384"),
     (kv_cache(head_dim=512), "head_dim <= 256, got 512"),
+    (kv_cache(planes=1), "values as wide as keys; latent attention"),
     (kv_cache(torch.bfloat16, 512), "needs a CUDA KV cache, got device cpu"),
 ])
 def test_flash_attn_refuses_unsupported_cache(fake_flash_attn: None, cache: KvCache,

@@ -28,15 +28,20 @@ def test_each_shape_gets_a_tensor_and_a_layer_reusing_kv_takes_no_memory(zoo_dir
     assert runner.bytes_per_block == cache.nbytes // 16 == 4 * 2 * BLOCK * 16 * 4
 
 
-def test_block_copies_gathers_and_scatters_reach_every_layer():
-    cache = KvCache.allocate(MIXED, 6, 4, torch.float32, "cpu")
+@pytest.mark.parametrize("layout", [MIXED, MIXED._replace(values_are_keys=frozenset({1, 3}))],
+                         ids=["two-planes", "values-are-keys"])
+def test_block_copies_gathers_and_scatters_reach_every_layer(layout):
+    """Also for layers storing one plane that serves as K and V (latent attention)."""
+    cache = KvCache.allocate(layout, 6, 4, torch.float32, "cpu")
+    assert cache.nbytes == 6 * layout.bytes_per_block(4, torch.float32)
+    assert [t.shape[1] for t in cache.tensors] == [2, 1 if layout.values_are_keys else 2]
     for t in cache.tensors:
         t.normal_()
     cache.copy_blocks(torch.tensor([1, 2]), torch.tensor([4, 5]))
     for layer in cache.layers:
         assert torch.equal(layer[:, 4], layer[:, 1]) and torch.equal(layer[:, 5], layer[:, 2])
     before = [layer.clone() for layer in cache.layers]
-    pool = CpuPool(cache, gib=3 * MIXED.bytes_per_block(4, torch.float32) / 2**30)
+    pool = CpuPool(cache, gib=3 * layout.bytes_per_block(4, torch.float32) / 2**30)
     assert pool.num_blocks == 3
     pool.copy_to_cpu([(0, 2), (3, 0)])
     for t in cache.tensors:
@@ -47,10 +52,12 @@ def test_block_copies_gathers_and_scatters_reach_every_layer():
         assert not layer[:, 0].any()
 
 
+@pytest.mark.parametrize("name", ["gemma4_text", "deepseek_v3"])
 @pytest.mark.parametrize("cpu_blocks", [4096, 0], ids=["offload", "recompute"])
-def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_dir, cpu_blocks):
-    """Gemma 4 forked into samples, offloaded and restored (or recomputed): the samples of a roomy cache."""
-    path = zoo_dir("gemma4_text")
+def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_dir, cpu_blocks, name):
+    """Gemma 4 (K/V of two shapes, shared layers) and DeepSeek-V3 (one latent plane per layer) forked into
+    samples, offloaded and restored (or recomputed): the samples of a roomy cache."""
+    path = zoo_dir(name)
     system = random_prompts(1, 128, (20, 20), seed=40)[0]
     prompts = [system + q for q in random_prompts(3, 128, (3, 17), seed=41)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=30, seed=5, ignore_eos=True)
@@ -68,11 +75,12 @@ def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_di
 
 @pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton needs CUDA or its interpreter")
-@pytest.mark.parametrize("name", ["gemma4_text", "mimo_v2_flash"])
+@pytest.mark.parametrize("name", ["gemma4_text", "mimo_v2_flash", "deepseek_v3"])
 def test_triton_kernels_serve_layers_of_other_shapes(zoo_dir, name):
     """Per-layer head sizes and counts (Gemma 4; MiMo-V2-Flash, whose values are also padded to its keys'
-    head size of 12 and whose heads have attention sinks) through the Triton kernels, decode graphs
-    (captured on a GPU) included: the torch backend's tokens."""
+    head size of 12 and whose heads have attention sinks; DeepSeek-V3's latent, one KV head whose values
+    are its keys) through the Triton kernels, decode graphs (captured on a GPU) included: the torch
+    backend's tokens."""
     pytest.importorskip("triton")
     path = zoo_dir(name)
     prompts = random_prompts(4, 128, (5, 30), seed=42)

@@ -43,10 +43,11 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 def run_both(pairs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
              dtype: torch.dtype, window: int | None, softcap: float | None, splits: int | None,
-             pad_tokens: int = 0, num_sms: int | None = None, sinks: bool = False) -> None:
+             pad_tokens: int = 0, num_sms: int | None = None, sinks: bool = False, v_dim: int | None = None) -> None:
     """One layer through TritonBackend (in `dtype`) against the torch reference; `splits` None lets
-    the heuristic choose (and it must split); `num_sms` pretends a GPU size; `sinks` adds attention sinks."""
-    meta, cache, q, k, v = random_step(pairs, heads, head_dim, block_size, pad_tokens, DEVICE, dtype)
+    the heuristic choose (and it must split); `num_sms` pretends a GPU size; `sinks` adds attention sinks;
+    `v_dim` makes the values the keys' first columns (latent attention)."""
+    meta, cache, q, k, v = random_step(pairs, heads, head_dim, block_size, pad_tokens, DEVICE, dtype, v_dim=v_dim)
     backend = TritonBackend(KvCache.of(cache), splits)
     backend.num_sms = num_sms or backend.num_sms
     sink_logits = torch.randn(heads[0], generator=torch.Generator().manual_seed(5)).to(DEVICE) * 3 if sinks else None
@@ -107,6 +108,19 @@ def test_decode_matches_reference(dtype: torch.dtype, heads: tuple[int, int], he
 def test_attention_sinks_match_reference(pairs: list[tuple[int, int]], splits: int) -> None:
     """A sink logit per query head joins the softmax once: in the single pass, or in the split merge."""
     run_both(pairs, (8, 2), 64, 16, torch.float32, 100, None, splits, pad_tokens=2, sinks=True)
+
+
+@pytest.mark.parametrize("pairs, heads, dims, splits", [
+    (MIXED, (4, 1), (20, 16), 1),  # the test models' latent: a 4-wide key tail
+    (DECODES, (4, 1), (20, 16), 4),
+    (DECODES, (32, 1), (576, 512), 1),  # DeepSeek's latent widths, 32 heads: two programs of 16 heads each
+    (DECODES, (32, 1), (576, 512), 8),
+    ([(3, 40), (1, 17), (0, 0)], (32, 1), (576, 512), 1),
+])
+def test_latent_attention_matches_reference(pairs: list[tuple[int, int]], heads: tuple[int, int],
+                                            dims: tuple[int, int], splits: int) -> None:
+    """One latent head whose values are its keys' first columns, read once from a one-plane cache."""
+    run_both(pairs, heads, dims[0], 16, torch.float32, None, None, splits, pad_tokens=2, v_dim=dims[1])
 
 
 def test_split_path_chosen_in_prepare_metadata() -> None:

@@ -4,7 +4,9 @@ Layers whose K/V have one shape share a tensor `[layers, 2, num_blocks, block_si
 so a model with a single shape (most) has one. A model whose layers differ (Gemma 4's global layers
 have other head sizes and counts than its windowed ones) has one such tensor per shape, and a layer
 that reuses another's K/V (Gemma 4's KV-shared layers) reads and writes its owner's cache, taking no
-memory of its own. A block id means the same block in every tensor.
+memory of its own. A layer whose values are its keys (multi-head latent attention cached as its latent,
+latent.py) stores one plane instead of two: its tensor is `[layers, 1, ...]`, and its layer view repeats
+that plane as both K and V. A block id means the same block in every tensor.
 """
 
 from __future__ import annotations
@@ -16,42 +18,48 @@ import torch
 
 class KvLayout(NamedTuple):
     """What a model's paged cache holds per token: per layer its `(kv_heads, head_dim)` (None: no attention),
-    and the layer whose K/V it reads (itself, or the earlier layer whose K/V it reuses)."""
+    the layer whose K/V it reads (itself, or the earlier layer whose K/V it reuses), and the layers whose
+    values are their keys (one plane stored)."""
 
     shapes: tuple[tuple[int, int] | None, ...]
     owners: tuple[int, ...]
+    values_are_keys: frozenset[int] = frozenset()
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block of `block_size` tokens takes across every layer that owns its K/V."""
-        return sum(2 * h * d for h, d in self.owned().values()) * block_size * dtype.itemsize
+        return sum(planes * h * d for (h, d), planes in self.owned().values()) * block_size * dtype.itemsize
 
-    def owned(self) -> dict[int, tuple[int, int]]:
-        """The shape of each layer that stores K/V of its own, by layer."""
-        return {layer: shape for layer, shape in enumerate(self.shapes)
+    def owned(self) -> dict[int, tuple[tuple[int, int], int]]:
+        """The shape and plane count (2: K and V, 1: values are keys) of each layer that stores K/V of its
+        own, by layer."""
+        return {layer: (shape, 1 if layer in self.values_are_keys else 2) for layer, shape in enumerate(self.shapes)
                 if shape is not None and self.owners[layer] == layer}
 
 
 class KvCache:
     """`layers[i]` is layer i's `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V) view (None without
     attention); `stores[i]` is False for a layer reusing an earlier layer's K/V, which that layer has stored
-    already. Block copies and gathers act on every tensor at once."""
+    already; `values_are_keys[i]` is True for a layer whose V plane is its K plane. Block copies and gathers
+    act on every tensor at once."""
 
     def __init__(self, tensors: list[torch.Tensor], index: list[tuple[int, int] | None]) -> None:
         self.tensors = tensors
-        self.layers = [None if place is None else tensors[place[0]][place[1]] for place in index]
+        self.layers = [None if place is None else _as_kv(tensors[place[0]][place[1]]) for place in index]
+        self.values_are_keys = [place is not None and tensors[place[0]].shape[1] == 1 for place in index]
         self.stores = [place is not None and index.index(place) == layer for layer, place in enumerate(index)]
         self.num_blocks, self.block_size = tensors[0].shape[2:4]
 
     @classmethod
     def allocate(cls, layout: KvLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> KvCache:
-        """A zeroed cache of `num_blocks` blocks for `layout`: one tensor per K/V shape, in layer order."""
+        """A zeroed cache of `num_blocks` blocks for `layout`: one tensor per K/V shape and plane count, in
+        layer order."""
         own = layout.owned()
-        shapes = list(dict.fromkeys(own.values()))
-        owned = [[layer for layer in own if own[layer] == shape] for shape in shapes]
+        kinds = list(dict.fromkeys(own.values()))
+        owned = [[layer for layer in own if own[layer] == kind] for kind in kinds]
         place = {layer: (t, i) for t, layers in enumerate(owned) for i, layer in enumerate(layers)}
-        tensors = [torch.zeros(len(layers), 2, num_blocks, block_size, *shape, dtype=dtype, device=device)
-                   for layers, shape in zip(owned, shapes)]
+        tensors = [torch.zeros(len(layers), planes, num_blocks, block_size, *shape, dtype=dtype, device=device)
+                   for layers, (shape, planes) in zip(owned, kinds)]
         return cls(tensors, [place.get(owner) for owner in layout.owners])
 
     @classmethod
@@ -107,3 +115,8 @@ class KvCache:
         """Write `gather`'s layout back into blocks `ids`."""
         for t, b in zip(self.tensors, blocks):
             t.index_copy_(2, ids, b.movedim(0, 2))
+
+
+def _as_kv(planes: torch.Tensor) -> torch.Tensor:
+    """A layer's `[2, ...]` (K, V) view of its planes: one plane (values are keys) is repeated, not copied."""
+    return planes.expand(2, *planes.shape[1:])

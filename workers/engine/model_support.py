@@ -16,6 +16,7 @@ import transformers
 
 from workers.engine.attention import AttentionBackend, set_backend
 from workers.engine.kv_cache import KvCache, KvLayout
+from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.recurrent import Mixers
 from workers.engine.rope_cache import cache_rope_init
@@ -108,6 +109,7 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     forward sees of its attention, make its RoPE per sequence and free of per-step host copies; returns
     the layout of its paged cache and its mixers (their state shapes recorded by the probe)."""
     mixers = Mixers(model, stepwise=model.config.model_type in _STEPWISE_STATE_TYPES)
+    install_latent_attention(model)
     layout = kv_layout(model, mixers.layers)
     install_per_sequence_longrope(model)
     cache_rope_init(model)
@@ -126,7 +128,7 @@ class _ShapeProbe(AttentionBackend):
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Record the call; the output's values do not matter."""
         self.calls.append((layer, k, v))
-        return torch.zeros_like(q)
+        return q.new_zeros(*q.shape[:2], v.shape[-1])
 
 
 @torch.inference_mode()
@@ -134,7 +136,8 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     """Each layer's KV heads and head size, and whose K/V it reads, from a two-token probe forward.
 
     Raises `ValueError` unless every decoder layer either calls our attention exactly once with K and V
-    of one shape (values narrower than keys, as in multi-head latent attention, arrive padded), or is
+    of one shape (values narrower than keys, as in multi-head latent attention with expanded K/V, arrive
+    padded; a latent layer's values are the first columns of its keys, stored once), or is
     one of `mixer_layers` (linear attention, state space; those may attend too); so attention outside the
     interface is refused. A layer handed the very K/V tensors an earlier layer computed (KV sharing) reads
     that layer's cache.
@@ -156,22 +159,30 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     if sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers}; state-space layers: {mixer_layers})")
-    mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape]
+    values_are_keys = frozenset(layer for layer, k, v in probe.calls if _leads(v, k))
+    mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape and layer not in values_are_keys]
     if mismatched:
         raise refuse(model_type, f"keys and values of different shapes (layers {mismatched})")
     # a model without attention (Mamba) keeps a one-element placeholder K/V in layer 0, never read: blocks
     # still bound each sequence's length and are counted as ever
     shapes = {layer: tuple(k.shape[1:]) for layer, k, _ in probe.calls} or {0: (1, 1)}
     owners = dict(zip(layers, _owners(probe.calls)))
-    return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected))
+    return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected),
+                    values_are_keys)
+
+
+def _leads(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether values `v` are the first columns of keys `k` (latent attention), the same memory."""
+    return (v.data_ptr(), v.stride(), v.shape[:-1]) == (k.data_ptr(), k.stride(), k.shape[:-1])
+
+
+def _storage(x: torch.Tensor) -> tuple:
+    return x.data_ptr(), x.shape, x.stride()
 
 
 def _owners(calls: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
     """Per layer, the first layer whose K and V are the same tensors as its own."""
-    def storage(k: torch.Tensor, v: torch.Tensor) -> tuple:
-        return k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride()
-
     first: dict[tuple, int] = {}
     for layer, k, v in calls:
-        first.setdefault(storage(k, v), layer)
-    return tuple(first[storage(k, v)] for _, k, v in calls)
+        first.setdefault((_storage(k), _storage(v)), layer)
+    return tuple(first[_storage(k), _storage(v)] for _, k, v in calls)

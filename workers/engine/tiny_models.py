@@ -19,6 +19,7 @@ ARCHS = {
     "mistral": transformers.MistralConfig,
     "gemma2": transformers.Gemma2Config,
     "qwen3_5_text": transformers.Qwen3_5TextConfig,  # linear-attention hybrid: pass its layer_types, linear_*
+    "deepseek_v2": transformers.DeepseekV2Config,  # multi-head latent attention: pass kv_lora_rank, qk_*, v_head_dim
 }
 
 EOS, PAD, BOS = "<|endoftext|>", "<|pad|>", "<s>"

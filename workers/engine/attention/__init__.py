@@ -10,6 +10,7 @@ import torch
 from transformers import AttentionInterface
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.latent import absorb_query, expand_output
 
 ATTN_IMPLEMENTATION = "rollout_paged"
 
@@ -36,7 +37,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             scaling: float | None = None, sliding_window: int | None = None,
                             softcap: float | None = None, s_aux: torch.Tensor | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
-    """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend."""
+    """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend (a latent
+    attention layer's k and v are its latent, workers/engine/latent.py)."""
     unsupported = sorted(k for k, v in kwargs.items()
                          if v is not None and v is not False and k not in _IGNORED_KWARGS)
     if unsupported:
@@ -50,8 +52,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if query.shape[0] != 1:
         raise ValueError(f"paged attention expects one packed sequence, got batch {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = _same_head_size(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = _backend.forward(module.layer_idx, q, k, v, scale, sliding_window, softcap, s_aux)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if getattr(module, "attends_latent", False):
+        out = _backend.forward(module.layer_idx, absorb_query(module, q), k, v[..., :module.kv_lora_rank], scale,
+                               sliding_window, softcap, s_aux)
+        return expand_output(module, out)[None], None
+    out = _backend.forward(module.layer_idx, *_same_head_size(q, k, v), scale, sliding_window, softcap, s_aux)
     return out[None, ..., :value.shape[-1]], None
 
 

@@ -68,6 +68,8 @@ class AttentionBackend:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` -> attention output `[T, Hq, D]`. `sinks` `[Hq]`: per query head,
-        a logit that joins every softmax's denominator but has no value (attention sinks, gpt-oss)."""
+        """q `[T, Hq, D]`, k `[T, Hkv, D]`, v `[T, Hkv, Dv]` -> attention output `[T, Hq, Dv]`. Values may be
+        narrower than keys (Dv < D: a latent attention layer's values are the first Dv of its keys, and its V
+        plane is its K plane); the cache stores them in the first Dv of each value. `sinks` `[Hq]`: per query
+        head, a logit that joins every softmax's denominator but has no value (attention sinks, gpt-oss)."""
         raise NotImplementedError

@@ -35,6 +35,8 @@ def check_config(kv_cache: KvCache) -> None:
                          f"{BLOCK_MULTIPLE}, got block_size={block_size}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"flash-attn supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    if any(kv_cache.values_are_keys):
+        raise ValueError("flash-attn needs values as wide as keys; latent attention's values are part of its keys")
     if not kv_cache.is_cuda:
         raise ValueError(f"flash-attn needs a CUDA KV cache, got device {kv_cache.device}")
 

@@ -11,11 +11,12 @@ from workers.engine.sequence import cdiv
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """Write k/v `[T, Hkv, D]` into caches `[num_blocks, block_size, Hkv, D]` at `slot_mapping`."""
+    """Write k `[T, Hkv, D]` and v `[T, Hkv, Dv]` (Dv <= D: into the first Dv of each value's D) into caches
+    `[num_blocks, block_size, Hkv, D]` at `slot_mapping`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep])
+    v_cache.view(-1, *v_cache.shape[2:])[..., :v.shape[-1]].index_copy_(0, slots, v[keep])
 
 
 class _Group:
@@ -88,21 +89,23 @@ class _DecodeGroup(_Group):
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                     scale: float, sliding_window: int | None, softcap: float | None,
                     out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
-    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, D]`. A sink logit per
-    query head joins each softmax as one more column, dropped after.
+    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, Dv]` (values are the
+    first Dv of each cached value). A sink logit per query head joins each softmax as one more column,
+    dropped after.
 
     Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
     views, so no per-token gather or transposed copy of the cache is made.
     """
     rows, max_q = group.q_pos.shape
-    h_q, d = q.shape[1], q.shape[2]
+    h_q, d, dv = q.shape[1], q.shape[2], out.shape[2]
     h_kv = k_cache.shape[2]
     g = h_q // h_kv
     qp = group.gather(q)
     keys = k_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
-    values = v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
+    values = (keys if v_cache.data_ptr() == k_cache.data_ptr() else
+              v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d))[..., :dv]
     hidden = ~group.mask(sliding_window)[:, None]
-    res = q.new_empty(rows, max_q, h_kv, g, d)
+    res = q.new_empty(rows, max_q, h_kv, g, dv)
     for h in range(h_kv):
         qh = qp[:, :, h * g:(h + 1) * g].transpose(1, 2).reshape(rows, g * max_q, d)
         scores = torch.bmm(qh, keys[:, :, h].transpose(1, 2)).mul_(scale)
@@ -114,8 +117,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             scores = torch.cat([scores, sink], dim=-1)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         probs = (probs[..., :-1] if sinks is not None else probs).reshape(rows, g * max_q, -1)
-        res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, d).transpose(1, 2)
-    group.scatter(out, res.view(rows, max_q, h_q, d))
+        res[:, :, h] = torch.bmm(probs, values[:, :, h]).view(rows, g, max_q, dv).transpose(1, 2)
+    group.scatter(out, res.view(rows, max_q, h_q, dv))
 
 
 class TorchBackend(AttentionBackend):
@@ -179,7 +182,7 @@ class TorchBackend(AttentionBackend):
         k_cache, v_cache = self.kv_cache.layers[layer]
         if self.kv_cache.stores[layer]:
             store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         for group in self.groups:
             paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out, sinks)
         return out

@@ -29,19 +29,23 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_s
 
 def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   decode_only: bool, num_splits: int) -> LaunchConfig:
-    """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'.
+    """Tile shape: decode tiles hold one token's query heads, mixed tiles several tokens'. `head_dim` is the
+    values' width (a latent layer's keys add a narrow tail).
 
     Fewer keys per step for head_dim 256 and for float32 (exact fp32 dots), fewer query rows for head_dim
-    512 (Gemma 4's global layers), and 8 warps for mixed tiles: otherwise the tiles spill registers on
+    512 (Gemma 4's global layers, latent attention), at most 16 query heads per program for those (a latent
+    head's group of 128 is split in 8), and 8 warps for mixed tiles: otherwise the tiles spill registers on
     sm_80/sm_90 (scripts/kernel_resources.py)."""
     group = num_heads // num_kv_heads
+    head_splits = group // 16 if head_dim > 256 and group > 16 and group % 16 == 0 else 1
+    group //= head_splits
     tile_n = 16 if dtype == torch.float32 or head_dim > 256 else 32 if head_dim > 128 else 64
     if decode_only:
         return LaunchConfig(block_m=max(16, triton.next_power_of_2(group)), block_q=1,
-                            tile_n=tile_n, num_splits=num_splits)
+                            tile_n=tile_n, num_splits=num_splits, head_splits=head_splits)
     block_m = max(32 if head_dim > 256 else 64, triton.next_power_of_2(group))
-    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n,
-                        num_splits=num_splits, num_warps=8, num_stages=3 if tile_n == 64 else 2)
+    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_splits=num_splits,
+                        num_warps=8, num_stages=3 if tile_n == 64 else 2, head_splits=head_splits)
 
 
 class TritonBackend(AttentionBackend):
@@ -91,12 +95,12 @@ class TritonBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k/v into layer `layer`'s cache (unless an earlier layer stored them), then attend;
-        returns `[T, Hq, D]`."""
+        returns `[T, Hq, Dv]`."""
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
         if self.kv_cache.stores[layer]:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        config = launch_config(q.shape[1], k.shape[1], q.shape[2], q.dtype, self.decode_only,
+        config = launch_config(q.shape[1], k.shape[1], v.shape[2], q.dtype, self.decode_only,
                                self.num_splits)
         return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
-                               meta.cu_seqlens_q, scale, sliding_window, softcap, config, sinks)
+                               meta.cu_seqlens_q, scale, sliding_window, softcap, config, sinks, v.shape[2])

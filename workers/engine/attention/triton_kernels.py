@@ -9,6 +9,11 @@ feeds `tl.dot` with `G` rows. Programs map to (sequence, tile) by a binary searc
 partial result (unnormalised accumulator, running max, running sum); a second kernel merges them.
 Attention sinks (a logit per query head in every softmax's denominator, with no value) join once, where
 the softmax is normalised: in the single pass, or in the merge.
+Values may be narrower than keys (latent attention, workers/engine/latent.py: one KV head whose values are
+the first `V_DIM` of its 576-wide keys): keys are read as those first columns plus a tail, so no tile is
+padded to a power of two above the key width, and the values are the keys' first columns, not read again.
+A program may take a slice of a KV head's query heads (`HEAD_SPLITS`), so that wide heads of a large group
+(128 query heads on one latent head) fit its registers.
 Scores, softmax statistics and accumulators are float32 whatever the input dtype (fp32/fp16/bf16).
 The batch size and the block-table width change from step to step, so they are not specialized on
 (Triton compiles a variant per integer that is 1, a multiple of 16, or neither): a new one would stall
@@ -29,8 +34,8 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile shape of one attention launch: rows per tile, query tokens per tile, keys per step,
-    KV segments per tile (a power of two; 1 is the single-pass path), and warps and software
-    pipeline stages per program."""
+    KV segments per tile (a power of two; 1 is the single-pass path), warps and software pipeline stages
+    per program, and the slices a KV head's query heads are split into (one program each)."""
 
     block_m: int
     block_q: int
@@ -38,13 +43,14 @@ class LaunchConfig:
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    head_splits: int = 1
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+                     HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -54,10 +60,11 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt
     mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     dst = dst + heads[:, None] * stride_ch + dims[None, :]
+    v_mask = mask & (dims < V_DIM)[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=v_mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -86,14 +93,15 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr, stride_cb,
-            stride_cs, dims, dim_ok, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+def _attend(q, q_tail, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr, stride_cb,
+            stride_cs, dims, dim_ok, tail, tail_ok, BLOCK_M: tl.constexpr, V_PAD: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-            USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of the tile's queries over key positions [lo, hi); returns (acc, max, sum)."""
+            USE_SOFTCAP: tl.constexpr, HAS_TAIL: tl.constexpr, V_IS_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of the tile's queries over key positions [lo, hi); returns (acc, max, sum). Keys are
+    columns `dims` and (HAS_TAIL) `tail`; values are columns `dims`, of the keys themselves when V_IS_K."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_PAD], tl.float32)
     for start in range(lo, hi, TILE_N):
         k_pos = start + tl.arange(0, TILE_N)
         k_ok = k_pos < hi
@@ -101,8 +109,16 @@ def _attend(q, q_pos, lo, hi, window, scale, softcap, k_base, v_base, bt_row_ptr
         offs = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
         kv_mask = k_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_TAIL:
+            k_tail = tl.load(k_base + offs[:, None] + tail[None, :], mask=k_ok[:, None] & tail_ok[None, :],
+                             other=0.0)
+            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+        s = s * scale
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(v_base + offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if USE_SOFTCAP:
             s = _tanh(s / softcap) * softcap
         ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -147,12 +163,15 @@ def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr,
         part_acc_ptr, part_stats_ptr, sinks_ptr, scale, softcap, window, num_seqs, stride_qt, stride_qh,
         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-        G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
-        USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, PRECISION: tl.constexpr):
+        G: tl.constexpr, HEAD_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
+        V_PAD: tl.constexpr, TAIL_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, V_IS_K: tl.constexpr, PRECISION: tl.constexpr):
+    G_TILE: tl.constexpr = G // HEAD_SPLITS
+    HAS_TAIL: tl.constexpr = HEAD_DIM > V_DIM
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_SPLITS
+    first_head = kv_head * G + tl.program_id(1) % HEAD_SPLITS * G_TILE
     seq = _find_sequence(cu_q_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -160,22 +179,28 @@ def _paged_attention_kernel(
     if tile * BLOCK_Q >= q_len:
         return
     rows = tl.arange(0, BLOCK_M)
-    q_idx = tile * BLOCK_Q + rows // G
-    head = kv_head * G + rows % G
-    row_ok = (rows < BLOCK_Q * G) & (q_idx < q_len)
+    q_idx = tile * BLOCK_Q + rows // G_TILE
+    head = first_head + rows % G_TILE
+    row_ok = (rows < BLOCK_Q * G_TILE) & (q_idx < q_len)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = (q_start + q_idx).to(tl.int64)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_DIM
+    dims = tl.arange(0, V_PAD)
+    dim_ok = dims < V_DIM
     io_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=io_mask, other=0.0)
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=io_mask, other=0.0)
+    if HAS_TAIL:
+        tail = V_DIM + tl.arange(0, TAIL_PAD)
+        tail_ok = tail < HEAD_DIM
+        q_tail = tl.load(q_rows + tail[None, :], mask=row_ok[:, None] & tail_ok[None, :], other=0.0)
+    else:
+        tail, tail_ok, q_tail = dims, dim_ok, q
     lo, hi = _key_range(seq_len, q_len, tile, window, BLOCK_Q, TILE_N, NUM_SPLITS, USE_WINDOW)
     acc, m_i, l_i = _attend(
-        q, seq_len - q_len + q_idx, lo, hi, window, scale, softcap,
+        q, q_tail, seq_len - q_len + q_idx, lo, hi, window, scale, softcap,
         k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch,
-        block_table_ptr + seq.to(tl.int64) * stride_bt, stride_cb, stride_cs, dims, dim_ok,
-        BLOCK_M, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, PRECISION)
+        block_table_ptr + seq.to(tl.int64) * stride_bt, stride_cb, stride_cs, dims, dim_ok, tail, tail_ok,
+        BLOCK_M, V_PAD, BLOCK_SIZE, TILE_N, USE_WINDOW, USE_SOFTCAP, HAS_TAIL, V_IS_K, PRECISION)
     if NUM_SPLITS == 1:
         if USE_SINKS:
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
@@ -185,15 +210,15 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dims, row_ok,
-                       io_mask, tl.num_programs(1) * G, HEAD_DIM, NUM_SPLITS)
+                       io_mask, tl.num_programs(1) * G_TILE, V_DIM, NUM_SPLITS)
 
 
 @triton.jit
 def _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dims, row_ok, io_mask,
-                   num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   num_heads, V_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Write one KV segment's unnormalised accumulator and (max, sum) for the merge kernel."""
     part = (token * num_heads + head) * NUM_SPLITS + tl.program_id(2)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
+    tl.store(part_acc_ptr + part[:, None] * V_DIM + dims[None, :], acc, mask=io_mask)
     tl.store(part_stats_ptr + part * 2, m_i, mask=row_ok)
     tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=row_ok)
 
@@ -229,7 +254,8 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, sinks_ptr, cu_q_
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write k/v `[T, Hkv, D]` into caches `[num_blocks, block_size, Hkv, D]`; slots < 0 skipped."""
+    """Write k `[T, Hkv, D]` and v `[T, Hkv, Dv]` (Dv <= D: the first Dv of each value) into caches
+    `[num_blocks, block_size, Hkv, D]`; slots < 0 skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -238,44 +264,48 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, V_DIM=v.shape[2], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     scale: float, sliding_window: int | None, softcap: float | None,
-                    config: LaunchConfig, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed queries `[T, Hq, D]` over each sequence's cached blocks; `sinks` `[Hq]`
-    are attention-sink logits."""
+                    config: LaunchConfig, sinks: torch.Tensor | None = None, v_dim: int | None = None) -> torch.Tensor:
+    """Causal attention of packed queries `[T, Hq, D]` over each sequence's cached blocks -> `[T, Hq, Dv]`,
+    the values being the first `v_dim` (default D) of each cached value; `sinks` `[Hq]` are attention-sink
+    logits."""
     q = _last_dim_contiguous(q)
     num_tokens, num_heads, head_dim = q.shape
+    v_dim = v_dim or head_dim
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
-    out = q.new_empty(q.shape)
+    out = q.new_empty(num_tokens, num_heads, v_dim)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     splits = config.num_splits
     part_acc = part_stats = out
     if splits > 1:
-        part_acc = q.new_empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32)
+        part_acc = q.new_empty((num_tokens, num_heads, splits, v_dim), dtype=torch.float32)
         part_stats = q.new_empty((num_tokens, num_heads, splits, 2), dtype=torch.float32)
-    grid = ((num_tokens + num_seqs * (config.block_q - 1)) // config.block_q, num_kv_heads, splits)
-    head_pad = max(16, triton.next_power_of_2(head_dim))
+    grid = ((num_tokens + num_seqs * (config.block_q - 1)) // config.block_q, num_kv_heads * config.head_splits,
+            splits)
+    v_pad = max(16, triton.next_power_of_2(v_dim))
+    tail_pad = max(16, triton.next_power_of_2(head_dim - v_dim)) if head_dim > v_dim else 0
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, part_acc, part_stats,
         out if sinks is None else sinks, scale, softcap or 0.0, sliding_window or 0, num_seqs, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), G=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q,
-        TILE_N=config.tile_n, NUM_SPLITS=splits, USE_WINDOW=bool(sliding_window),
-        USE_SOFTCAP=bool(softcap), USE_SINKS=sinks is not None,
+        block_table.stride(0), G=num_heads // num_kv_heads, HEAD_SPLITS=config.head_splits, HEAD_DIM=head_dim,
+        V_DIM=v_dim, V_PAD=v_pad, TAIL_PAD=tail_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m,
+        BLOCK_Q=config.block_q, TILE_N=config.tile_n, NUM_SPLITS=splits, USE_WINDOW=bool(sliding_window),
+        USE_SOFTCAP=bool(softcap), USE_SINKS=sinks is not None, V_IS_K=v_cache.data_ptr() == k_cache.data_ptr(),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=config.num_warps,
         num_stages=config.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_stats, out if sinks is None else sinks, cu_seqlens_q, num_seqs,
-            out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=splits,
+            out.stride(0), out.stride(1), HEAD_DIM=v_dim, HEAD_PAD=v_pad, NUM_SPLITS=splits,
             USE_SINKS=sinks is not None)
     return out
 
