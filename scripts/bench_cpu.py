@@ -47,10 +47,10 @@ def engine_config(path: str, **overrides) -> EngineConfig:
     return EngineConfig(model=path, **{**defaults, **overrides})
 
 
-def engine_run(path: str, prompts, n: int, new: int) -> Callable[[], float]:
-    """A function timing one full rollout on a warm default-built engine (prefix cache cleared
-    first); tokens/s. Prints the cache size and the preemptions so far."""
-    engine = Engine(EngineConfig(model=path))
+def engine_run(path: str, prompts, n: int, new: int, **config) -> Callable[[], float]:
+    """A function timing one full rollout on a warm default-built engine (`config` overriding defaults;
+    prefix cache cleared first); tokens/s. Prints the cache size and the preemptions so far."""
+    engine = Engine(EngineConfig(model=path, **config))
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4))
     params = SamplingParams(n=n, max_new_tokens=new, ignore_eos=True, seed=0)
 
@@ -101,6 +101,9 @@ def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
     start = time.perf_counter()
     run = generate_all(model, prompts, hf_generation_config(n, new), None, progress=False)
     tokens = sum(len(o.generated_tokens) for o in run.done if o.error is None)
+    if not tokens:
+        errors = [o.error for o in run.done if o.error is not None]
+        raise RuntimeError(f"no request finished ({len(errors)} failed, the first: {errors[:1]})")
     return tokens / (time.perf_counter() - start)
 
 
@@ -178,9 +181,11 @@ def best_generate(path: str, prompts, n: int, new: int) -> tuple[str, Callable[[
     return GENERATE.format(size), runs[size]
 
 
-def rollout_rounds(path: str, prompts, args) -> dict[str, list[float]]:
-    """tokens/s of each system over `args.repeats` interleaved rounds (the machine's speed drifts)."""
-    runs = {"engine (default EngineConfig)": engine_run(path, prompts, args.n, args.new_tokens)}
+def rollout_rounds(path: str, prompts, args, others: dict[str, Callable[[], float]] | None = None,
+                   ) -> dict[str, list[float]]:
+    """tokens/s of each system (the default engine, `others`, `generate`) over `args.repeats` interleaved
+    rounds (the machine's speed drifts)."""
+    runs = {"engine (default EngineConfig)": engine_run(path, prompts, args.n, args.new_tokens), **(others or {})}
     if not args.skip_hf:
         name, run = best_generate(path, prompts, args.n, args.new_tokens)
         runs[name] = run
@@ -213,9 +218,10 @@ def print_rollout(results: dict[str, list[float]], args, workload: str = "cpu-ro
         print(f"engine / generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}")
 
 
-def print_pressure(pressure: list[tuple[str, float, dict]]) -> None:
+def print_pressure(pressure: list[tuple[str, float, dict]],
+                   title: str = "8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need") -> None:
     """The pressure table: tokens/s and preemption counts per cache size."""
-    print("\npressure: 8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need")
+    print(f"\npressure: {title}")
     print(f"{'cache':<30}{'tokens/s':>10}{'offloads':>10}{'restores':>10}{'recomputes':>12}")
     for label, tps, st in pressure:
         print(f"{label:<30}{tps:>10.0f}{st['offloads']:>10}{st['restores']:>10}{st['recomputes']:>12}")

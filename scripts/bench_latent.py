@@ -1,0 +1,84 @@
+"""CPU rollout benchmark of multi-head latent attention: the engine caching each token's latent against
+the engine caching expanded keys and values (its previous version) and transformers `generate`, one run.
+
+Model: a tiny random DeepSeek-V2-shaped model (hidden 256, 4 layers, 8 heads, kv_lora_rank 64, rotary key
+16, non-rotary key 32, values 32, dense MLPs, vocab 4096): its cache holds 80 numbers per token and layer
+as the latent, 8 heads x 48 x 2 = 768 expanded (DeepSeek-V2-Lite's ratio is 576 to 6,144).
+Workloads: "cpu-latent-rollout": 16 prompts of 32-160 tokens, n = 8, 128 new tokens, eos ignored,
+temperature 1, engines built with the defaults, `generate` with its best batch of 4, 8 or 16 prompts per
+call; "pressure": the same requests with `kv_cache_memory_gib` set to a quarter of what the expanded cache
+needs for all of them, both engines (recompute only: the default; max_model_len 512).
+Usage: python scripts/bench_latent.py [--prompts 16] [--n 8] [--new-tokens 128] [--repeats 2] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from unittest import mock
+
+from bench_cpu import engine_run, make_prompts, print_pressure, print_rollout, rollout_rounds
+
+from rollout import SamplingParams
+from rollout.config import EngineConfig
+from workers.engine import Engine, latent
+from workers.engine.tiny_models import build_tiny_model
+
+MLA = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8, initializer_range=0.02,
+           max_position_embeddings=32768, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+           qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=4)
+EXPANDED = "engine, expanded K/V (previous version)"
+
+
+def expanded_kv() -> contextlib.AbstractContextManager:
+    """While open, engines built cache expanded keys and (padded) values, as before the latent cache."""
+    return mock.patch.object(latent, "_is_latent_attention", lambda module: False)
+
+
+def pressure_run(path: str, prompts, args, gib: float) -> tuple[float, dict]:
+    """tokens/s and stats of one rollout on an engine whose KV cache is capped at `gib` (max_model_len 512:
+    the default, the model's 32768, would not fit that cache)."""
+    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=512))
+    params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
+
+
+def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
+    """Both caches under a budget of a quarter of the expanded cache's need (each sample's own blocks, the
+    prompt's shared)."""
+    with expanded_kv():
+        per_token = Engine(EngineConfig(model=path, num_blocks=8)).runner.bytes_per_block / 16
+    need = sum(len(p) + args.n * args.new_tokens for p in prompts) * per_token
+    gib = need / 4 / 2**30
+    with expanded_kv():
+        expanded = pressure_run(path, prompts, args, gib)
+    return [("latent (default)", *pressure_run(path, prompts, args, gib)), ("expanded K/V", *expanded)]
+
+
+def main() -> None:
+    """Build the model, time both engines and `generate` in interleaved rounds, then under memory pressure,
+    and print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout (default 16)")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens sampled per sample (default 128)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of every system (default 2)")
+    parser.add_argument("--skip-hf", action="store_true", help="time only the engines")
+    args = parser.parse_args()
+    prompts = make_prompts(args.prompts)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(build_tiny_model(tmp, "deepseek_v2", **MLA))
+        with expanded_kv():
+            others = {EXPANDED: engine_run(path, prompts, args.n, args.new_tokens)}
+        results = rollout_rounds(path, prompts, args, others)
+        pressure = bench_pressure(path, prompts, args)
+    print_rollout(results, args, "cpu-latent-rollout")
+    print_pressure(pressure, "the same requests, KV cache capped at a quarter of the expanded cache's need")
+
+
+if __name__ == "__main__":
+    main()
