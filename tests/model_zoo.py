@@ -193,6 +193,7 @@ ZOO: dict[str, tuple[type, dict]] = {
     "minicpm3": (tf.MiniCPM3Config, {**_MLA, "q_lora_rank": 16}),
     # no pad id: transformers zeroes Youtu's padding row on load, whatever the checkpoint holds there
     "youtu": (tf.YoutuConfig, {**_MLA, "q_lora_rank": 16, "pad_token_id": None}),
+    "axk1": (getattr(tf, "AXK1Config", None), {**_MLA_MOE, "q_lora_rank": 16}),  # A.X K1: DeepSeek-V3's layout
     "dbrx": (tf.DbrxConfig, {"vocab_size": VOCAB, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 256,
                              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}}),

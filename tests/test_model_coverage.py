@@ -33,7 +33,7 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text",
             "kolibri1", "minimax_m3_vl_text", "sarvam_moe", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
-            "flint", "dbrx", "longcat_flash", *HYBRID]
+            "flint", "dbrx", "longcat_flash", "axk1", *HYBRID]
 REFUSED = {
     "minimax": "layer type 'linear_attention'", "llama4_text": "chunked", "llama_dynamic_rope": "rope type 'dynamic'",
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",

@@ -33,7 +33,7 @@ SUPPORTED_MODEL_TYPES = frozenset({
     "iquestcoder", "hyperclovax", "jetmoe", "minimax_m2", "hy_v3", "laguna", "gemma4_text", "gemma4",
     "gemma4_unified_text", "gemma4_unified", "gemma3n_text", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
     "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text", "kolibri1", "minimax_m3_vl_text", "sarvam_moe",
-    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint", "dbrx", "longcat_flash",
+    "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "flint", "dbrx", "longcat_flash", "axk1",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
     "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1", "nemotron_h",
     "jamba", "mamba", "mamba2", "falcon_mamba"})
