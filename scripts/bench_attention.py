@@ -9,9 +9,11 @@ block table, q read, the new k/v read and stored, the output written. Each shape
 single-pass path, the split-KV path and the backend's own choice ("auto"). The peer in the same run
 is torch's `scaled_dot_product_attention` (its fused FlashAttention / memory-efficient kernels) over
 the same keys held densely, `[seqs, kv_heads, context, head_dim]`: no block table, no K/V store, so it
-is the speed a paged kernel aims at, not a like-for-like call.
+is the speed a paged kernel aims at, not a like-for-like call. `--value-dim` makes the values the keys'
+first columns, one cache plane read once: multi-head latent attention cached as its latent
+(`--heads 128 --kv-heads 1 --head-dim 576 --value-dim 512` is DeepSeek-V3's shape).
 
-Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16]
+Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16] [--value-dim V]
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--value-dim", type=int, default=None,
+                        help="values are the keys' first VALUE_DIM columns, one cache plane (latent attention)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--splits", type=int, default=8, help="KV segments of the split path")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -48,7 +52,8 @@ def decode_step(seqs: int, context: int, args: argparse.Namespace):
     dtype, bs = getattr(torch, args.dtype), args.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = seqs * blocks_per_seq
-    kv_cache = torch.empty(1, 2, num_blocks, bs, args.kv_heads, args.head_dim, dtype=dtype,
+    planes = 1 if args.value_dim else 2
+    kv_cache = torch.empty(1, planes, num_blocks, bs, args.kv_heads, args.head_dim, dtype=dtype,
                            device="cuda").normal_()
     block_table = torch.randperm(num_blocks, device="cuda").view(seqs, blocks_per_seq).int()
     last = context - 1
@@ -59,17 +64,19 @@ def decode_step(seqs: int, context: int, args: argparse.Namespace):
         block_table=block_table, max_seqlen_q=1, max_seqlen_k=context)
     q = torch.randn(seqs, args.heads, args.head_dim, dtype=dtype, device="cuda")
     k, v = torch.randn(2, seqs, args.kv_heads, args.head_dim, dtype=dtype, device="cuda")
+    v = k[..., :args.value_dim] if args.value_dim else v
     size = kv_cache.element_size()
-    kv_bytes = 2 * seqs * context * args.kv_heads * args.head_dim * size
+    kv_bytes = planes * seqs * context * args.kv_heads * args.head_dim * size
     moved = (kv_bytes + block_table.numel() * 4 + 2 * q.numel() * size + 4 * k.numel() * size)
     return kv_cache, meta, (q, k, v), moved
 
 
-def sdpa_peer(kv_cache: torch.Tensor, meta: AttentionMetadata, q: torch.Tensor):
-    """torch's fused attention for the same decode over a dense copy of each sequence's keys."""
+def sdpa_peer(kv_cache: torch.Tensor, meta: AttentionMetadata, q: torch.Tensor, value_dim: int):
+    """torch's fused attention for the same decode over a dense copy of each sequence's keys and values."""
     seqs, context = meta.block_table.shape[0], meta.max_seqlen_k
     k_all, v_all = (kv_cache[0, i][meta.block_table.long()].flatten(1, 2)[:, :context].transpose(1, 2)
-                    .contiguous() for i in (0, 1))
+                    .contiguous() for i in (0, kv_cache.shape[1] - 1))
+    v_all = v_all[..., :value_dim].contiguous()
     q4 = q.view(seqs, q.shape[1], 1, q.shape[2])
     return functools.partial(torch.nn.functional.scaled_dot_product_attention, q4, k_all, v_all,
                              enable_gqa=True)
@@ -88,8 +95,8 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
         results.append((path, backend.num_splits, do_bench(step, return_mode="median"), step()))
-    peer = sdpa_peer(kv_cache, meta, q)  # after the stores above, so it sees the new tokens too
-    want = peer().view(q.shape)
+    peer = sdpa_peer(kv_cache, meta, q, v.shape[-1])  # after the stores above, so it sees the new tokens too
+    want = peer().view(*q.shape[:2], v.shape[-1])
     results.append(("sdpa", "-", do_bench(peer, return_mode="median"), want))
     for path, splits, ms, out in results:
         gbs = moved / ms / 1e6
@@ -111,6 +118,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s; "
           f"{args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
+          f"{f'values the first {args.value_dim} of the keys, ' if args.value_dim else ''}"
           f"{args.dtype}, block_size {args.block_size}")
     print(ROW.format("seqs", "context", "path", "splits", "time (us)", "GB/s", "of copy", "diff vs sdpa"))
     for seqs in args.seqs:

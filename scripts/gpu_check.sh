@@ -12,7 +12,8 @@
 #     their experts (torch._grouped_mm) capture in (tests/test_model_coverage.py), and a linear-attention
 #     hybrid's per-sequence state survives forks, preemption and graph padding on the GPU
 #     (tests/test_recurrent.py);
-#   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth;
+#   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
+#     shape, then DeepSeek-V2-Lite's expanded and latent);
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no
 #     run once GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began, so the whole
@@ -43,7 +44,12 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16 \
     "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
-python3 scripts/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log"
+{
+    python3 scripts/bench_attention.py &&
+    # DeepSeek-V2-Lite's attention, expanded K/V against its cached latent (values the keys' first 512)
+    python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&
+    python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 1 --head-dim 576 --value-dim 512
+} 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
