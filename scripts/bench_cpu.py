@@ -227,14 +227,22 @@ def print_pressure(pressure: list[tuple[str, float, dict]],
         print(f"{label:<30}{tps:>10.0f}{st['offloads']:>10}{st['restores']:>10}{st['recomputes']:>12}")
 
 
+def rollout_parser(doc: str, prompts: int, new_tokens: int, repeats: int) -> argparse.ArgumentParser:
+    """The options of a rollout benchmark (prompts, samples, new tokens, rounds, --skip-hf) with its defaults."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=prompts, help=f"number of prompts (default {prompts})")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens,
+                        help=f"tokens generated per sample (default {new_tokens})")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"interleaved rounds of every system (default {repeats})")
+    parser.add_argument("--skip-hf", action="store_true", help="time only this engine")
+    return parser
+
+
 def main() -> None:
     """Parse options, build the tiny model, run the benchmarks and print their tables."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=32, help="number of prompts (default 32)")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sample (default 128)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of engine and generate (default 3)")
-    parser.add_argument("--skip-hf", action="store_true", help="time only this engine")
+    parser = rollout_parser(__doc__, prompts=32, new_tokens=128, repeats=3)
     parser.add_argument("--skip-pressure", action="store_true", help="skip the memory-pressure workload")
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -7,15 +7,14 @@ eos ignored, temperature 1, on an engine built with the defaults (`EngineConfig(
 `generate` with its best batch of 4, 8 or 16 prompts per call, and `generate_batch` where transformers'
 continuous batching takes the model. Every linear-attention layer runs transformers' reference PyTorch
 code in both (no flash-linear-attention here), so the table compares the batching around it.
-Usage: python scripts/bench_hybrid.py [--prompts 16] [--n 8] [--new-tokens 64] [--repeats 2]
+Usage: python scripts/bench_hybrid.py [--prompts 16] [--n 8] [--new-tokens 64] [--repeats 2] [--skip-hf]
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
-from bench_cpu import MODEL, make_prompts, print_rollout, rollout_rounds
+from bench_cpu import MODEL, make_prompts, print_rollout, rollout_parser, rollout_rounds
 
 from workers.engine.tiny_models import build_tiny_model
 
@@ -27,13 +26,7 @@ HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_
 def main() -> None:
     """Build the model, time the engine and `generate` in interleaved rounds, then `generate_batch`, and
     print the table."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout (default 16)")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens sampled per sample (default 64)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of engine and generate (default 2)")
-    args = parser.parse_args()
-    args.skip_hf = False
+    args = rollout_parser(__doc__, prompts=16, new_tokens=64, repeats=2).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "qwen3_5_text", **MODEL, **HYBRID))
         results = rollout_rounds(path, make_prompts(args.prompts), args)

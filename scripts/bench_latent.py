@@ -13,13 +13,12 @@ Usage: python scripts/bench_latent.py [--prompts 16] [--n 8] [--new-tokens 128] 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import tempfile
 import time
 from unittest import mock
 
-from bench_cpu import engine_run, make_prompts, print_pressure, print_rollout, rollout_rounds
+from bench_cpu import engine_run, make_prompts, print_pressure, print_rollout, rollout_parser, rollout_rounds
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig
@@ -62,13 +61,7 @@ def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
 def main() -> None:
     """Build the model, time both engines and `generate` in interleaved rounds, then under memory pressure,
     and print the tables."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout (default 16)")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens sampled per sample (default 128)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of every system (default 2)")
-    parser.add_argument("--skip-hf", action="store_true", help="time only the engines")
-    args = parser.parse_args()
+    args = rollout_parser(__doc__, prompts=16, new_tokens=128, repeats=2).parse_args()
     prompts = make_prompts(args.prompts)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "deepseek_v2", **MLA))
