@@ -7,7 +7,8 @@ as the latent, 8 heads x 48 x 2 = 768 expanded (DeepSeek-V2-Lite's ratio is 576 
 Workloads: "cpu-latent-rollout": 16 prompts of 32-160 tokens, n = 8, 128 new tokens, eos ignored,
 temperature 1, engines built with the defaults, `generate` with its best batch of 4, 8 or 16 prompts per
 call; "pressure": the same requests with `kv_cache_memory_gib` set to a quarter of what the expanded cache
-needs for all of them, both engines (recompute only: the default; max_model_len 512).
+needs for all of them (at least two of the longest samples), both engines (recompute only: the default;
+max_model_len the longest sample).
 Usage: python scripts/bench_latent.py [--prompts 16] [--n 8] [--new-tokens 128] [--repeats 2] [--skip-hf]
 """
 
@@ -37,22 +38,27 @@ def expanded_kv() -> contextlib.AbstractContextManager:
 
 
 def pressure_run(path: str, prompts, args, gib: float) -> tuple[float, dict]:
-    """tokens/s and stats of one rollout on an engine whose KV cache is capped at `gib` (max_model_len 512:
-    the default, the model's 32768, would not fit that cache)."""
-    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=512))
+    """tokens/s and stats of one rollout on an engine whose KV cache is capped at `gib` (max_model_len the
+    longest sample: the model's 32768 would not fit that cache)."""
+    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=longest(prompts, args)))
     params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
     start = time.perf_counter()
     engine.generate(prompts, params)
     return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
 
 
+def longest(prompts, args) -> int:
+    """Tokens of the workload's longest sample."""
+    return max(len(p) for p in prompts) + args.new_tokens
+
+
 def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
     """Both caches under a budget of a quarter of the expanded cache's need (each sample's own blocks, the
-    prompt's shared)."""
+    prompt's shared), and at least two of the longest samples."""
     with expanded_kv():
         per_token = Engine(EngineConfig(model=path, num_blocks=8)).runner.bytes_per_block / 16
     need = sum(len(p) + args.n * args.new_tokens for p in prompts) * per_token
-    gib = need / 4 / 2**30
+    gib = max(need / 4, 2 * longest(prompts, args) * per_token) / 2**30
     with expanded_kv():
         expanded = pressure_run(path, prompts, args, gib)
     return [("latent (default)", *pressure_run(path, prompts, args, gib)), ("expanded K/V", *expanded)]
