@@ -19,14 +19,13 @@ from torch import nn
 _DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def install_latent_attention(model: nn.Module) -> list[nn.Module]:
-    """Make every MLA layer of `model` attend from its latent; returns those layers. A layer whose
-    `kv_b_proj` is not a plain bias-free `nn.Linear` (a quantized one, say) keeps expanded keys and values."""
-    layers = [module for module in model.modules() if _is_latent_attention(module)]
-    for module in layers:
-        module.expand_kv = _pack_latent
-        module.attends_latent = True
-    return layers
+def install_latent_attention(model: nn.Module) -> None:
+    """Make every MLA layer of `model` attend from its latent. A layer whose `kv_b_proj` is not a plain
+    bias-free `nn.Linear` (a quantized one, say) keeps expanded keys and values."""
+    for module in model.modules():
+        if _is_latent_attention(module):
+            module.expand_kv = _pack_latent
+            module.attends_latent = True
 
 
 def _is_latent_attention(module: nn.Module) -> bool:
