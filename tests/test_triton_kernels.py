@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from tests.paged_cases import assert_matches_reference, random_step  # noqa: E402
 from workers.engine.attention import triton_kernels  # noqa: E402
+from workers.engine.attention.base import AttentionMetadata  # noqa: E402
 from workers.engine.attention.torch_backend import TorchBackend, store_kvcache  # noqa: E402
 from workers.engine.attention.triton_backend import (  # noqa: E402
     TritonBackend,
@@ -121,6 +122,26 @@ def test_latent_attention_matches_reference(pairs: list[tuple[int, int]], heads:
                                             dims: tuple[int, int], splits: int) -> None:
     """One latent head whose values are its keys' first columns, read once from a one-plane cache."""
     run_both(pairs, heads, dims[0], 16, torch.float32, None, None, splits, pad_tokens=2, v_dim=dims[1])
+
+
+def test_split_count_counts_a_latent_heads_query_slices() -> None:
+    """A latent head's 32 query heads run as two programs per sequence (16 heads each): once a forward has
+    shown that, a decode of 140 sequences fills 132 SMs (280 programs) without splitting its keys; counted
+    by KV heads alone (140 programs) it would split them in two."""
+    seqs = 140
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(seqs, dtype=torch.int64, device=DEVICE),
+        cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.full((seqs,), 1024, dtype=torch.int32, device=DEVICE),
+        block_table=torch.zeros(seqs, 64, dtype=torch.int32, device=DEVICE), max_seqlen_q=1, max_seqlen_k=1024)
+    backend = TritonBackend(KvCache.of(torch.zeros(1, 1, 1, 16, 1, 576, device=DEVICE)))
+    backend.num_sms = 132
+    backend.prepare_metadata(meta)
+    assert backend.num_splits == 2
+    q, k = torch.zeros(0, 32, 576, device=DEVICE), torch.zeros(0, 1, 576, device=DEVICE)
+    backend.forward(0, q, k, k[..., :512], 1.0, None, None)  # no tokens: the launch configuration only
+    backend.prepare_metadata(meta)
+    assert backend.programs_per_seq == 2 and backend.num_splits == 1
 
 
 def test_split_path_chosen_in_prepare_metadata() -> None:

@@ -13,11 +13,12 @@ MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
+def choose_num_splits(num_seqs: int, programs_per_seq: int, max_seqlen_q: int, max_seqlen_k: int,
                       num_sms: int) -> int:
-    """KV segments per (sequence, KV head) for a step: >1 only for decode steps too small to fill
-    the GPU (fewer than two programs per SM) over contexts of at least 2 x MIN_SPLIT_TOKENS."""
-    programs = num_seqs * num_kv_heads
+    """KV segments per program (a sequence's KV head, or slice of its query heads) for a step: >1 only for
+    decode steps too small to fill the GPU (fewer than two programs per SM) over contexts of at least
+    2 x MIN_SPLIT_TOKENS."""
+    programs = num_seqs * programs_per_seq
     if max_seqlen_q != 1 or programs == 0 or programs >= 2 * num_sms:
         return 1
     wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
@@ -56,7 +57,9 @@ class TritonBackend(AttentionBackend):
     (`max_seqlen_q == 1`, `max_seqlen_k`) only picks the tile shape and the split count; every
     launch reads lengths from tensors, so a captured CUDA graph replays correctly for any lengths.
     In a decode graph step those scalars are the key's (the KV bucket, the padded batch), so the
-    split count a graph bakes in is a function of its key.
+    split count a graph bakes in is a function of its key. The heuristic counts `programs_per_seq`, the
+    programs of one sequence's widest layer (KV heads times query-head slices: 8 for DeepSeek-V3's latent
+    head), learned from the first forward (the engine's warm-up); until then the cache's KV heads.
     """
 
     def __init__(self, kv_cache: KvCache, num_kv_splits: int | None = None) -> None:
@@ -69,6 +72,7 @@ class TritonBackend(AttentionBackend):
                         if kv_cache.is_cuda else 1)
         self.num_splits = 1
         self.decode_only = False
+        self.programs_per_seq = kv_cache.max_kv_heads
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and choose the decode tiles and the KV split count."""
@@ -78,7 +82,7 @@ class TritonBackend(AttentionBackend):
 
     def _splits(self, meta: AttentionMetadata) -> int:
         return self.num_kv_splits or choose_num_splits(
-            meta.seq_lens.shape[0], self.kv_cache.max_kv_heads, meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
+            meta.seq_lens.shape[0], self.programs_per_seq, meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
 
     def graph_scalars(self, meta: AttentionMetadata) -> tuple:
         """The split count: the tile shape follows from the decode step and the tensors' shapes."""
@@ -89,7 +93,7 @@ class TritonBackend(AttentionBackend):
         one-sequence decode at `max_model_len` (the most any decode gets), times MIN_SPLIT_TOKENS."""
         if self.num_kv_splits is not None:
             return [max_model_len]
-        top = choose_num_splits(1, self.kv_cache.max_kv_heads, 1, max_model_len, self.num_sms)
+        top = choose_num_splits(1, self.programs_per_seq, 1, max_model_len, self.num_sms)
         return [MIN_SPLIT_TOKENS << i for i in range(top.bit_length())]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -102,5 +106,6 @@ class TritonBackend(AttentionBackend):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         config = launch_config(q.shape[1], k.shape[1], v.shape[2], q.dtype, self.decode_only,
                                self.num_splits)
+        self.programs_per_seq = max(self.programs_per_seq, k.shape[1] * config.head_splits)
         return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                                meta.cu_seqlens_q, scale, sliding_window, softcap, config, sinks, v.shape[2])
