@@ -98,6 +98,8 @@ def _sampling_options() -> argparse.ArgumentParser:
                            help=help_text + shown)
     group.add_argument("--stop-token-ids", type=int, nargs="+", default=argparse.SUPPRESS, metavar="ID",
                        help="token ids that end a sample, besides the model's EOS")
+    group.add_argument("--stop", nargs="+", default=argparse.SUPPRESS, metavar="TEXT",
+                       help="strings that end a sample; the token completing one stays in it")
     group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
                        help="keep generating after the model's EOS token")
     return options
@@ -272,7 +274,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling keywords given on the command line (the rest keep SamplingParams' defaults)."""
-    return {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "stop_token_ids", "ignore_eos"]
+    return {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "stop_token_ids", "stop", "ignore_eos"]
             if hasattr(args, name)}
 
 

@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fresh seed per request; a fixed seed makes each sample independent of what shares its batch (a prompt
     given twice in one call still gets different samples: see `prompt_repeats`).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
+    `stop` strings end a sample at the token whose text completes one of them (finish reason "stop"); that
+    token stays in the sample, and the string in its text, so the tokens are what the model made.
     """
 
     n: int = 1
@@ -33,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_p: float = 0.0
     max_new_tokens: int = 256
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
     logprobs_mode: str = "processed"
@@ -48,6 +51,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
+        _check(all(self.stop), "stop", self.stop, "must be non-empty strings")
         _check(self.seed is None or 0 <= self.seed < 2**64, "seed", self.seed, "must be None or in [0, 2**64)")
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
                f"must be one of {LOGPROBS_MODES}")

@@ -59,6 +59,7 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows"], "FIELD=VALUE"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows=0"], "flush_rows=0"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--top-p", "2"], "top_p=2.0"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--stop", "</answer>", ""], "stop=['</answer>', '']"),
     (["sample", "--prompts", "{empty}", "--out", "x.parquet"], "holds no prompts"),
     (["sample", "--prompts", "{good}", "--out", "{missing}/x.parquet"], "none.jsonl' does not exist"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--model", "{good}/.."], "no config.json"),

@@ -106,6 +106,19 @@ def test_seeded_rows_equal_one_in_process_engine_with_copies_of_a_prompt(service
     assert len({tuple(served[2 * i + s]) for i in (0, 2, 4) for s in (0, 1)}) == 6
 
 
+def test_stop_strings_end_served_samples_as_they_end_in_process(service):
+    """`stop` reaches the workers: seeded samples end where an in-process engine's end, at the token whose
+    text completes the string."""
+    prompts = random_prompts(4, 512, (4, 12), seed=9)
+    params = dict(n=2, temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=7, stop=["e "])
+    served = rollout.sample(prompts, **params).to_table()
+    local = make_engine(service).generate(prompts, SamplingParams(**params))
+    assert served.column("token_ids").to_pylist() == local.column("token_ids").to_pylist()
+    reasons = served.column("finish_reason").to_pylist()
+    assert reasons == local.column("finish_reason").to_pylist() and "stop" in reasons
+    assert all(("e " in text) == (reason == "stop") for text, reason in zip(served.column("text").to_pylist(), reasons))
+
+
 def test_first_batch_arrives_before_the_last_sample_finishes(service, client):
     stream = rollout.sample(random_prompts(8, 512, (4, 12), seed=3), n=4, max_new_tokens=64, ignore_eos=True)
     batches = iter(stream)

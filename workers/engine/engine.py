@@ -23,6 +23,7 @@ from workers.engine.recurrent import without_prefix_caching
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
+from workers.engine.stop_strings import completes_stop
 from workers.engine.tokenizer import encode_prompt, load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
@@ -69,7 +70,7 @@ class Engine:
                 prompt = encode_prompt(self.tokenizer, prompt)
             out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
         if params is not None:
-            check_params(params, self.vocab_size)
+            check_params(params, self.vocab_size, self.tokenizer is not None)
             for i, ids in enumerate(out):
                 check_fits(self.config, self.pool.num_blocks, self.max_model_len, i, len(ids), params, params.n)
         return out
@@ -79,7 +80,7 @@ class Engine:
                     sample_indices: list[int] | None = None, repeat: int = 0) -> str:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id.
         `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`)."""
-        check_params(params, self.vocab_size)
+        check_params(params, self.vocab_size, self.tokenizer is not None)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
         if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 0:
@@ -223,11 +224,16 @@ class Engine:
             seq.logprobs.append(logprobs[row])
             seq.versions.append(version)
             ended = seq.status is finished  # it reached its length at launch
-            stop = token in seq.group.stop_token_ids
+            stop = token in seq.group.stop_token_ids or self._stop_string(seq)
             if stop and not ended:
                 self.scheduler.finish(seq)
             if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
+
+    def _stop_string(self, seq: Sequence) -> bool:
+        """Whether the sample's newest token completes one of its stop strings."""
+        stops = seq.group.params.stop
+        return bool(stops) and completes_stop(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:], stops)
 
     def _take_ready(self) -> list[dict]:
         rows, self.ready = self.ready, []

@@ -41,14 +41,17 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
     return sorted({int(i) for i in indices})
 
 
-def check_params(params: object, vocab_size: int) -> None:
-    """Refuse sampling parameters that are not a `SamplingParams` (which validates itself when built), or
-    whose stop tokens the model could never produce."""
+def check_params(params: object, vocab_size: int, has_tokenizer: bool) -> None:
+    """Refuse sampling parameters that are not a `SamplingParams` (which validates itself when built), whose
+    stop tokens the model could never produce, or stop strings without a tokenizer to read them with."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab_size})")
+    if params.stop and not has_tokenizer:
+        raise ValueError(f"stop={params.stop!r} needs the model's tokenizer, and this model directory has none "
+                         "(stop_token_ids work without one)")
 
 
 def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, index: int, prompt_len: int,

@@ -1,0 +1,72 @@
+"""Stop strings (`SamplingParams.stop`): a sample ends at the token whose text completes one, that token
+kept; the same with async batching and forks; refused, before any work, where nothing can read them."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout import SamplingParams
+from tests.conftest import make_engine, random_prompts, run
+from workers.engine.stop_strings import completes_stop
+from workers.engine.tokenizer import load_tokenizer
+
+PROMPTS = random_prompts(3, 512, (4, 12), seed=3)
+SAMPLED = dict(n=2, temperature=1.0, seed=11, max_new_tokens=40, ignore_eos=True)
+
+
+def free_run(path: str) -> dict:
+    """The samples without stop strings: what the stopped ones must be prefixes of."""
+    return run(make_engine(path), PROMPTS, SamplingParams(**SAMPLED))
+
+
+def a_stop_string(tokenizer, tokens: list[int]) -> str:
+    """Three characters of the sample's text that first appear with its 20th token, or later."""
+    for end in range(20, len(tokens) + 1):
+        before = tokenizer.decode(tokens[:end - 1], skip_special_tokens=True)
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        if len(text) >= len(before) + 1 and len(text) >= 3 and text[-3:] not in before:
+            return text[-3:]
+    pytest.skip("no fresh three-character text in this sample")
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
+def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_batching):
+    path = model_dir("qwen3")
+    tokenizer = load_tokenizer(make_engine(path).config)
+    free = free_run(path)
+    stop = a_stop_string(tokenizer, free[(0, 1)]["token_ids"])
+    rows = run(make_engine(path, async_batching=async_batching), PROMPTS, SamplingParams(**SAMPLED, stop=[stop]))
+    for key, row in rows.items():
+        want = free[key]["token_ids"]
+        got = row["token_ids"]
+        assert got == want[:len(got)], f"sample {key} is the free sample's beginning"
+        if row["finish_reason"] == "stop":
+            assert stop in tokenizer.decode(got) and stop not in tokenizer.decode(got[:-1]), key
+            assert stop in row["text"]
+        else:
+            assert row["finish_reason"] == "length" and got == want and stop not in tokenizer.decode(got), key
+    assert rows[(0, 1)]["finish_reason"] == "stop" and len(rows[(0, 1)]["token_ids"]) >= 20
+
+
+def test_completes_stop_only_at_the_completing_token(model_dir):
+    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    ends = [end for end in range(1, len(tokens) + 1) if completes_stop(tokenizer, tokens[:end], ["fox", "dog"])]
+    assert [tokenizer.decode(tokens[:end]).endswith(("fox", "dog")) for end in ends] == [True, True]
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir):
+    engine = make_engine(zoo_dir("llama"))  # the zoo's models come without a tokenizer
+    assert engine.tokenizer is None
+    prompts = random_prompts(2, 128, (4, 12))
+    with pytest.raises(ValueError, match=r"stop=\['x'\] needs the model's tokenizer"):
+        engine.generate(prompts, SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match=r"stop=\['x'\] needs the model's tokenizer"):
+        engine.add_request(prompts[0], SamplingParams(stop=["x"]))
+    assert engine.stats()["waiting"] == 0
+
+
+@pytest.mark.parametrize("stop", [[""], "abc", [1]])
+def test_bad_stop_strings_are_refused_naming_the_value(stop):
+    with pytest.raises(ValueError, match="SamplingParams.stop="):
+        SamplingParams(stop=stop)
