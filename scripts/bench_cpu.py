@@ -5,7 +5,8 @@ vocab 4096), 32 prompts of 32-160 tokens, n = 8, 128 new tokens, eos ignored, te
 engine built with the defaults (`EngineConfig(model=...)`) against `generate` with its best batch of
 4, 8 or 16 prompts per call. Also reports the engine's time per decode step with 256 running
 sequences and the model's forward stubbed (with and without the sampler's math) for 256 x 128
-tokens, 255 x 1k plus one 16k, and 256 x 4k; and the "pressure" workload: 8 prompts, n = 8, 512 new
+tokens, 255 x 1k plus one 16k, 256 x 4k, and 256 x 128 with two stop strings each (their text checked
+every token); and the "pressure" workload: 8 prompts, n = 8, 512 new
 tokens, eos ignored, with the KV cache at ~25% of what the workload needs, run with CPU offload, with
 recompute only, and with a roomy cache.
 Usage: python scripts/bench_cpu.py [--prompts 32] [--skip-hf] [--skip-pressure]
@@ -125,12 +126,13 @@ def bench_pressure(path: str, new: int = 512) -> list[tuple[str, float, dict]]:
 
 
 OVERHEAD_CASES = {"a: 256 x 128": [(128, 256)], "b: 255 x 1k + 1 x 16k": [(1024, 255), (16384, 1)],
-                  "c: 256 x 4k": [(4096, 256)]}
+                  "c: 256 x 4k": [(4096, 256)], "d: a + 2 stop strings": [(128, 256)]}
+STOPS = {"d: a + 2 stop strings": ["</answer>", "Observation:"]}  # the cases whose samples have stop strings
 
 
-def stub_engine(path: str, groups: list[tuple[int, int]], new_tokens: int) -> Engine:
+def stub_engine(path: str, groups: list[tuple[int, int]], new_tokens: int, stop: list[str] = ()) -> Engine:
     """An engine with the model's forward stubbed (fixed logits) and the attention's metadata skipped,
-    decoding `groups` ((prompt length, samples) pairs) with `new_tokens` left per sample."""
+    decoding `groups` ((prompt length, samples) pairs) with `new_tokens` left per sample and `stop` strings."""
     seqs = sum(n for _, n in groups)
     longest = max(length for length, _ in groups) + new_tokens + 40
     engine = Engine(engine_config(path, max_model_len=longest, max_num_seqs=seqs))
@@ -140,7 +142,7 @@ def stub_engine(path: str, groups: list[tuple[int, int]], new_tokens: int) -> En
     engine.runner.backend.prepare_metadata = lambda meta: None  # the attention's own work
     for length, n in groups:
         engine.add_request([2 + i % 4000 for i in range(length)],
-                           SamplingParams(n=n, max_new_tokens=new_tokens + 20, ignore_eos=True))
+                           SamplingParams(n=n, max_new_tokens=new_tokens + 20, ignore_eos=True, stop=list(stop)))
     while len(engine.scheduler.running) < seqs or any(s.num_generated < 2 for s in engine.scheduler.running):
         engine.step()
     return engine
@@ -152,7 +154,8 @@ def bench_step_overhead(path: str, cases: dict[str, list[tuple[int, int]]], bloc
     math stubbed too (fixed tokens; what is left is the engine's host work), and with it. Median over
     `blocks` blocks of `steps` steps, the blocks of all cases interleaved, so that the machine's drifting
     speed weighs on every case alike."""
-    engines = {name: stub_engine(path, groups, 2 * blocks * steps) for name, groups in cases.items()}
+    engines = {name: stub_engine(path, groups, 2 * blocks * steps, STOPS.get(name, ()))
+               for name, groups in cases.items()}
     rows = max(engine.config.max_num_seqs for engine in engines.values())
     tokens, logprobs = torch.arange(rows) + 2, torch.zeros(rows)
 

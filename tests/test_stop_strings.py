@@ -7,7 +7,7 @@ import pytest
 
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
-from workers.engine.stop_strings import completes_stop
+from workers.engine.stop_strings import stops_completed
 from workers.engine.tokenizer import load_tokenizer
 
 PROMPTS = random_prompts(3, 512, (4, 12), seed=3)
@@ -48,11 +48,13 @@ def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_
     assert rows[(0, 1)]["finish_reason"] == "stop" and len(rows[(0, 1)]["token_ids"]) >= 20
 
 
-def test_completes_stop_only_at_the_completing_token(model_dir):
+def test_a_string_is_completed_only_by_its_last_token(model_dir):
     tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
     tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    ends = [end for end in range(1, len(tokens) + 1) if completes_stop(tokenizer, tokens[:end], ["fox", "dog"])]
-    assert [tokenizer.decode(tokens[:end]).endswith(("fox", "dog")) for end in ends] == [True, True]
+    prefixes = [tokens[:end] for end in range(1, len(tokens) + 1)]
+    hits = stops_completed(tokenizer, prefixes, [["fox", "dog"]] * len(prefixes))
+    completed = [tokenizer.decode(p) for p, hit in zip(prefixes, hits) if hit]
+    assert completed == ["The quick brown fox", "The quick brown fox jumps over the lazy dog"]
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir):

@@ -23,7 +23,7 @@ from workers.engine.recurrent import without_prefix_caching
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
-from workers.engine.stop_strings import completes_stop
+from workers.engine.stop_strings import stops_completed
 from workers.engine.tokenizer import encode_prompt, load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
@@ -220,20 +220,26 @@ class Engine:
         tokens, logprobs = flight.sampled.wait()
         version, finished = flight.version, Status.FINISHED
         for seq, row in zip(flight.seqs, flight.rows):
-            token = seq.token_ids[-1] = tokens[row]
+            seq.token_ids[-1] = tokens[row]
             seq.logprobs.append(logprobs[row])
             seq.versions.append(version)
+        strings = self._stop_strings(flight.seqs)
+        for seq in flight.seqs:
             ended = seq.status is finished  # it reached its length at launch
-            stop = token in seq.group.stop_token_ids or self._stop_string(seq)
+            stop = seq.token_ids[-1] in seq.group.stop_token_ids or id(seq) in strings
             if stop and not ended:
                 self.scheduler.finish(seq)
             if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
 
-    def _stop_string(self, seq: Sequence) -> bool:
-        """Whether the sample's newest token completes one of its stop strings."""
-        stops = seq.group.params.stop
-        return bool(stops) and completes_stop(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:], stops)
+    def _stop_strings(self, seqs: list[Sequence]) -> set[int]:
+        """`id` of each sample whose newest token completes one of its stop strings."""
+        checked = [seq for seq in seqs if seq.group.params.stop]
+        if not checked:
+            return set()
+        hits = stops_completed(self.tokenizer, [seq.token_ids[seq.num_prompt_tokens:] for seq in checked],
+                               [seq.group.params.stop for seq in checked])
+        return {id(seq) for seq, hit in zip(checked, hits) if hit}
 
     def _take_ready(self) -> list[dict]:
         rows, self.ready = self.ready, []
