@@ -48,8 +48,11 @@ def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_
     assert rows[(0, 1)]["finish_reason"] == "stop" and len(rows[(0, 1)]["token_ids"]) >= 20
 
 
-def test_a_string_is_completed_only_by_its_last_token(model_dir):
+@pytest.mark.parametrize("clean_up", [False, True], ids=["rust-batch", "batch_decode"])
+def test_a_string_is_completed_only_by_its_last_token(model_dir, clean_up):
+    """Also for a tokenizer that cleans up spaces when decoding, read through its own `batch_decode`."""
     tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer.clean_up_tokenization_spaces = clean_up
     tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     prefixes = [tokens[:end] for end in range(1, len(tokens) + 1)]
     hits = stops_completed(tokenizer, prefixes, [["fox", "dog"]] * len(prefixes))
