@@ -50,14 +50,16 @@ def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_
 
 @pytest.mark.parametrize("clean_up", [False, True], ids=["rust-batch", "batch_decode"])
 def test_a_string_is_completed_only_by_its_last_token(model_dir, clean_up):
-    """Also for a tokenizer that cleans up spaces when decoding, read through its own `batch_decode`."""
+    """Never with the prompt's text ("fo" + "x" is no "fox"); also for a tokenizer that cleans up spaces when
+    decoding, read through its own `batch_decode`."""
     tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
     tokenizer.clean_up_tokenization_spaces = clean_up
-    tokens = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    prefixes = [tokens[:end] for end in range(1, len(tokens) + 1)]
-    hits = stops_completed(tokenizer, prefixes, [["fox", "dog"]] * len(prefixes))
-    completed = [tokenizer.decode(p) for p, hit in zip(prefixes, hits) if hit]
-    assert completed == ["The quick brown fox", "The quick brown fox jumps over the lazy dog"]
+    prompt = tokenizer.encode("A dog and a fo")
+    tokens = prompt + tokenizer.encode("x jumps over the lazy dog.")
+    prefixes = [tokens[:end] for end in range(len(prompt) + 1, len(tokens) + 1)]
+    hits = stops_completed(tokenizer, [(p, len(prompt)) for p in prefixes], [["fox", "dog"]] * len(prefixes))
+    completed = [tokenizer.decode(p[len(prompt):]) for p, hit in zip(prefixes, hits) if hit]
+    assert completed == ["x jumps over the lazy dog"]
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir):

@@ -237,7 +237,7 @@ class Engine:
         checked = [seq for seq in seqs if seq.group.params.stop]
         if not checked:
             return set()
-        hits = stops_completed(self.tokenizer, [seq.token_ids[seq.num_prompt_tokens:] for seq in checked],
+        hits = stops_completed(self.tokenizer, [(seq.token_ids, seq.num_prompt_tokens) for seq in checked],
                                [seq.group.params.stop for seq in checked])
         return {id(seq) for seq, hit in zip(checked, hits) if hit}
 

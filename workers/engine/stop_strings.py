@@ -14,10 +14,12 @@ from typing import Sequence
 from transformers import PreTrainedTokenizerBase
 
 
-def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sequence[int]],
+def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[tuple[Sequence[int], int]],
                     stops: Sequence[Sequence[str]]) -> list[bool]:
-    """For each sample (its generated tokens), whether its last token completes one of its `stops`."""
-    tails = [list(tokens[-(2 * max(map(len, strings)) + 8):]) for tokens, strings in zip(samples, stops)]
+    """For each sample, `(token ids, index of its first generated one)`, whether its last token completes one
+    of its `stops` (in the generated text: the prompt's text never counts)."""
+    tails = [list(tokens[max(start, len(tokens) - 2 * max(map(len, strings)) - 8):])
+             for (tokens, start), strings in zip(samples, stops)]
     new = _decode(tokenizer, tails)
     maybe = [i for i, text in enumerate(new) if any(stop in text for stop in stops[i])]
     old = _decode(tokenizer, [tails[i][:-1] for i in maybe])
