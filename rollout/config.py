@@ -14,6 +14,7 @@ from rollout.checks import check_types
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+WINDOWED_KV = ("auto", "window", "full")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 
 T = TypeVar("T")
@@ -46,6 +47,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reach step t+1's inputs on the device; None turns it on for CUDA and off for the CPU, where it runs
     the same pipeline synchronously. Samples are the same either way, except that a stop token is seen one
     step late (the token computed meanwhile is dropped, counted in `wasted_tokens`).
+
+    `windowed_kv` is what a sliding-window layer keeps of each sequence: `"window"`, only its last window
+    (and a step's new tokens), in a ring of blocks per sequence slot: a fixed `max_num_seqs` x (window - 1 +
+    `max_batch_tokens`) tokens of those layers, whatever the sequences' lengths, with prefix caching off (a
+    cached prefix would come without its window); `"full"`, every token, as other layers do; `"auto"`,
+    `"window"` when one ring holds at most half of `max_model_len` tokens.
     """
 
     model: str
@@ -65,12 +72,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     check_integrity: bool = False
     cuda_graphs: tuple[bool, bool] | None = None
     async_batching: bool | None = None
+    windowed_kv: str = "auto"
 
     def __post_init__(self) -> None:
         check_types(self)
         _choice("device", self.device.split(":")[0], DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("windowed_kv", self.windowed_kv, WINDOWED_KV)
         _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len")
         _bound(self, ">=", 0, "cpu_offload_gib")
         _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")

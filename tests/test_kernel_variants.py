@@ -64,7 +64,8 @@ def eager_decode(runner, num_seqs: int, max_seqlen_k: int) -> int:
     zeros = torch.zeros(num_seqs, dtype=torch.int64)
     meta = AttentionMetadata(zeros - 1, torch.arange(num_seqs + 1, dtype=torch.int32),
                              torch.ones(num_seqs, dtype=torch.int32), torch.zeros(num_seqs, 1, dtype=torch.int32),
-                             max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+                             max_seqlen_q=1, max_seqlen_k=max_seqlen_k, ring_slot_mapping=zeros - 1,
+                             ring_block_table=torch.zeros(num_seqs, 1, dtype=torch.int32))
     runner.model_forward(zeros, zeros, meta, 0, None)
     return runner.backend.num_splits
 
@@ -74,7 +75,7 @@ def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch
     """gemma2: sliding and global layers, logit softcap."""
     seen = record_launches(monkeypatch)
     engine = make_engine(model_dir(arch), attention_backend="triton", cuda_graphs=(False, True), max_num_seqs=8,
-                         max_batch_tokens=40)
+                         max_batch_tokens=40, windowed_kv="full")  # full: prefix caching on
     graphs = engine.runner.graphs
     for entry in graphs.graphs.values():  # what capturing each graph launches first on CUDA
         graphs._launch(entry)

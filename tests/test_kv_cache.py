@@ -15,7 +15,7 @@ from workers.engine.offload import CpuPool
 
 BLOCK = 8
 # Windowed layers of 2 heads x 8, global ones of 1 head x 16; layers 4 and 5 reuse 2's and 3's K/V.
-MIXED = KvLayout(shapes=((2, 8), (1, 16)) * 3, owners=(0, 1, 2, 3, 2, 3))
+MIXED = KvLayout(shapes=((2, 8), (1, 16)) * 3, owners=(0, 1, 2, 3, 2, 3), windows=(12, None) * 3)
 
 
 def test_each_shape_gets_a_tensor_and_a_layer_reusing_kv_takes_no_memory(zoo_dir):

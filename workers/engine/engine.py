@@ -47,7 +47,7 @@ class Engine:
         self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states, config.max_num_seqs,
                                 self.runner.tables.array.size) if config.cpu_offload_gib else None
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
-                                   self.runner.rope_switch_length)
+                                   self.runner.rope_switch_length, self.runner.max_chunk)
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(("steps", "forks"), 0)

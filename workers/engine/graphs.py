@@ -116,6 +116,9 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(size, runner.tables.max_blocks, dtype=torch.int32, device=device)
         self.token_lengths = None if runner.rope_switch_length is None else torch.zeros_like(self.ids)
+        # windowed layers' rings (window_ring.py): padding tokens write nowhere, padding rows read ring 0
+        self.ring_slots = torch.full_like(self.ids, -1) if runner.ring_blocks else None
+        self.ring_table = torch.zeros_like(self.block_table) if runner.ring_blocks else None
         # recurrent-state slots (recurrent.py); padding rows take the spare last one
         self.pad_row = None if runner.states is None else runner.states.num_slots - 1
         self.rows = None if runner.states is None else torch.full_like(self.ids, self.pad_row)
@@ -139,7 +142,9 @@ class DecodeGraphs:
             for kv in reversed(self.kv_sizes):
                 meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
                                          self.block_table[:batch], max_seqlen_q=1, max_seqlen_k=kv,
-                                         decode_graph=True, rows=None if self.rows is None else self.rows[:batch])
+                                         decode_graph=True, rows=_head(self.rows, batch),
+                                         ring_slot_mapping=_head(self.ring_slots, batch),
+                                         ring_block_table=_head(self.ring_table, batch))
                 scalars = (batch, *self.runner.backend.graph_scalars(meta))
                 if scalars not in captured:
                     captured[scalars] = self._capture(batch, meta)
@@ -222,3 +227,13 @@ class DecodeGraphs:
         if self.rows is not None:
             self.rows[:n].copy_(meta.rows)
             self.rows[n:batch].fill_(self.pad_row)
+        if self.ring_slots is not None:
+            self.ring_slots[:n].copy_(meta.ring_slot_mapping)
+            self.ring_slots[n:batch].fill_(-1)
+            self.ring_table[:n, :meta.ring_block_table.shape[1]].copy_(meta.ring_block_table)
+            self.ring_table[n:batch].zero_()
+
+
+def _head(buffer: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The first `n` rows of a static buffer the model may not have."""
+    return None if buffer is None else buffer[:n]

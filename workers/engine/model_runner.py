@@ -29,6 +29,7 @@ from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_ba
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
+from workers.engine.window_ring import plan_rings, ring_state_layout, ring_table, ring_views
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +108,20 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         with _phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
-        self.layout, self.mixers = adapt_model(self.model)
+        layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
         self.max_model_len = _max_model_len(config, hf)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
+        self.layout, self.ring_blocks, self.max_chunk = plan_rings(
+            layout, config.windowed_kv, config.max_batch_tokens, config.block_size, self.max_model_len)
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
                                   config.block_size)
+        self.ring_columns = (torch.arange(self.tables.max_blocks, dtype=torch.int32, device=self.device)
+                             % max(self.ring_blocks, 1))
         self.row_params = RowParams(config.max_num_seqs)
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
@@ -144,22 +149,30 @@ class ModelRunner:
         """KV bytes of one block across every layer."""
         return self.layout.bytes_per_block(self.block_size, self.model.dtype)
 
+    @property
+    def ring_tokens(self) -> int:
+        """Tokens one ring of a windowed layer holds (0: no layer keeps only its window)."""
+        return self.ring_blocks * self.block_size
+
     def _new_cache(self, num_blocks: int) -> KvCache:
-        return KvCache.allocate(self.layout, num_blocks, self.block_size, self.model.dtype, self.device)
+        rings = ring_views(self.states, self.layout) if self.ring_blocks else None
+        return KvCache.allocate(self.layout, num_blocks, self.block_size, self.model.dtype, self.device, rings)
 
     def _new_states(self) -> StateCache | None:
-        """The recurrent state of a model with linear-attention or state-space layers: a slot per block-table
-        row and one for a decode graph's padding rows, allocated before the KV cache is sized (on CUDA its
-        memory then counts against the budget)."""
+        """The per-row state (recurrent layers' states, windowed layers' rings): a slot per block-table row and
+        one for a decode graph's padding rows, allocated before the KV cache is sized (on CUDA its memory then
+        counts against the budget)."""
         slots = self.config.max_num_seqs + 1
+        rings = ring_state_layout(self.layout, self.ring_blocks, self.block_size, self.model.dtype)
         try:
-            states = self.mixers.allocate(slots, self.device)
+            states = self.mixers.allocate(slots, self.device, rings)
         except torch.OutOfMemoryError as err:
-            raise ValueError(f"the recurrent state of max_num_seqs={self.config.max_num_seqs} sequences "
-                             f"({self.mixers.nbytes(slots) / 2**30:.2f} GiB) does not fit on {self.device}: "
+            raise ValueError(f"the per-sequence state of max_num_seqs={self.config.max_num_seqs} sequences "
+                             f"({self.mixers.nbytes(slots, rings) / 2**30:.2f} GiB) does not fit on {self.device}: "
                              "lower max_num_seqs") from err
         if states is not None:
-            logger.info("recurrent state: %d slots, %.3f GiB", slots, states.nbytes / 2**30)
+            logger.info("per-sequence state: %d slots, %.3f GiB (%d windowed layers in rings of %d tokens)", slots,
+                        states.nbytes / 2**30, len(self.layout.rings), self.ring_tokens)
         return states
 
     def _size_cache(self) -> int:
@@ -185,7 +198,7 @@ class ModelRunner:
         cache = self._new_cache(cdiv(num_tokens, self.block_size) + 1)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.backend = create_backend(self.config.attention_backend, cache)
-        inputs = self._send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size))
+        inputs = self._send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size, self.ring_tokens))
         self.sample(self.forward(inputs), inputs)
         peak = torch.cuda.max_memory_allocated(self.device) - cache.nbytes
         del cache, self.backend
@@ -197,9 +210,9 @@ class ModelRunner:
         the kernels of prefill steps are compiled before the first; without decode graphs (which warm
         their own), one-token steps compile each kernel variant an eager decode step can launch."""
         try:
-            self.forward(self._send(profile_plan(2, 1, self.block_size)))
+            self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens)))
             if not self.decode_graphs:
-                decode = self._send(profile_plan(1, 1, self.block_size))
+                decode = self._send(profile_plan(1, 1, self.block_size, self.ring_tokens))
                 for length in self.backend.decode_warmup_lengths(self.max_model_len):
                     decode.meta.max_seqlen_k = length
                     self.forward(decode)
@@ -210,7 +223,7 @@ class ModelRunner:
         """The step's inputs on the device, sent in one copy; block-table rows synced first. Placeholder
         tokens take their values from `prev`, the tokens the step before sampled, on the device."""
         return self._send(plan_step(seqs, num_tokens, self.tables, self.row_params,
-                                    self.rope_switch_length is not None), prev)
+                                    self.rope_switch_length is not None, self.ring_tokens), prev)
 
     def _send(self, plan: StepPlan, prev: torch.Tensor | None = None) -> StepInputs:
         t = self.staging.send(plan.arrays)
@@ -220,10 +233,12 @@ class ModelRunner:
             self.device_tables.view(-1)[t["table_cells"]] = t["table_values"]
         tables = self.device_tables if plan.tables is None else plan.tables.to(self.device)
         block_table = tables[:, :plan.width].index_select(0, t["rows"])
+        rings = ring_table(t["rows"], self.ring_columns[:plan.width], self.ring_blocks) if self.ring_blocks else None
         meta = AttentionMetadata(t["slots"], t["cu_seqlens_q"], t["seq_lens"], block_table,
                                  plan.max_seqlen_q, plan.max_seqlen_k, rows=t["rows"],
                                  host_cu_seqlens_q=plan.arrays["cu_seqlens_q"],
-                                 host_seq_lens=plan.arrays["seq_lens"])
+                                 host_seq_lens=plan.arrays["seq_lens"], ring_slot_mapping=t.get("ring_slots"),
+                                 ring_block_table=rings)
         logits_rows = t["logits_rows"] if plan.expand else None
         return StepInputs(t["ids"], t["positions"], meta, t["keep"], plan.num_rows,
                           sampling_batch(t, plan.flags), logits_rows, t.get("token_lengths"))

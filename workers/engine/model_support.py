@@ -123,11 +123,13 @@ class _ShapeProbe(AttentionBackend):
     def __init__(self) -> None:
         super().__init__(KvCache.of(torch.zeros(1, 2, 1, 1, 1, 1)))
         self.calls: list[tuple[int | None, torch.Tensor, torch.Tensor]] = []
+        self.windows: dict[int | None, int | None] = {}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Record the call; the output's values do not matter."""
         self.calls.append((layer, k, v))
+        self.windows[layer] = sliding_window
         return q.new_zeros(*q.shape[:2], v.shape[-1])
 
 
@@ -168,7 +170,7 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     shapes = {layer: tuple(k.shape[1:]) for layer, k, _ in probe.calls} or {0: (1, 1)}
     owners = dict(zip(layers, _owners(probe.calls)))
     return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected),
-                    values_are_keys)
+                    values_are_keys, tuple(probe.windows.get(i) for i in expected))
 
 
 def _leads(v: torch.Tensor, k: torch.Tensor) -> bool:

@@ -170,13 +170,17 @@ class Mixers:
                 self.layers.append(module.layer_idx)
                 module.forward = self._wrap(module.forward, name)
 
-    def nbytes(self, slots: int) -> int:
-        """Bytes `slots` slots of every state take."""
-        return slots * sum(shape.numel() * dtype.itemsize for shape, dtype in self.layout.values())
+    def nbytes(self, slots: int, extra: dict[StateKey, tuple[torch.Size, torch.dtype]] | None = None) -> int:
+        """Bytes `slots` slots of every state take (with `extra`'s)."""
+        layout = {**self.layout, **(extra or {})}
+        return slots * sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
 
-    def allocate(self, slots: int, device: torch.device) -> StateCache | None:
-        """The state slots, when the model has mixers."""
-        self.states = StateCache(self.layout, slots, device) if self.layers else None
+    def allocate(self, slots: int, device: torch.device,
+                 extra: dict[StateKey, tuple[torch.Size, torch.dtype]] | None = None) -> StateCache | None:
+        """The state slots of the mixers and of `extra` (other per-row state: windowed layers' rings,
+        window_ring.py), when there is any."""
+        layout = {**self.layout, **(extra or {})}
+        self.states = StateCache(layout, slots, device) if layout else None
         return self.states
 
     def _wrap(self, forward: Callable, cache_arg: str) -> Callable:
@@ -220,11 +224,11 @@ class Mixers:
 
 
 def without_prefix_caching(config: EngineConfig) -> EngineConfig:
-    """`config` for a model with recurrent state: no prefix caching, since a cached prefix's KV comes
-    without the state at its end (a preempted sequence is offloaded with its state, or recomputed)."""
+    """`config` for a model with per-row state: no prefix caching, since a cached prefix's KV comes without
+    the state at its end (a preempted sequence is offloaded with its state, or recomputed)."""
     if config.enable_prefix_caching:
-        logger.info("prefix caching off: this model's linear-attention or state-space layers keep a state "
-                    "that a cached prefix's KV comes without")
+        logger.info("prefix caching off: this model keeps a state per sequence (of linear-attention or "
+                    "state-space layers, or windowed layers' rings) that a cached prefix's KV comes without")
     return msgspec.structs.replace(config, enable_prefix_caching=False)
 
 

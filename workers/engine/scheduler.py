@@ -26,8 +26,10 @@ class Scheduler:
     """Owns the waiting, running and offloaded queues, and every block a sequence holds."""
 
     def __init__(self, config: EngineConfig, pool: BlockPool, tables: BlockTables,
-                 cpu_pool: CpuPool | None = None, rope_switch_length: int | None = None) -> None:
+                 cpu_pool: CpuPool | None = None, rope_switch_length: int | None = None,
+                 max_chunk: int | None = None) -> None:
         self.config = config
+        self.max_chunk = max_chunk or config.max_batch_tokens  # prompt tokens one sequence computes per step
         self.pool = pool
         self.tables = tables
         self.block_size = config.block_size
@@ -232,7 +234,7 @@ class Scheduler:
     def _schedule_prefill(self, batch: Batch, seq: Sequence, budget: int) -> int:
         """Add the next chunk of `seq` if its blocks (and, with its last chunk, its fork's) can be
         had; returns the tokens used."""
-        n = min(seq.num_uncomputed, budget)
+        n = min(seq.num_uncomputed, budget, self.max_chunk)
         if n == 0:
             return 0
         spare = fork_spare_blocks(len(seq.token_ids), len(seq.sample_indices), self.block_size)

@@ -10,6 +10,7 @@ import torch
 from workers.engine.block_table import BlockTables
 from workers.engine.sampler import RowParams, SamplingFlags, expanded_rows, sampling_arrays
 from workers.engine.sequence import Sequence, cdiv
+from workers.engine.window_ring import ring_slots
 
 
 @dataclass
@@ -28,10 +29,11 @@ class StepPlan:
 
 
 def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, params: RowParams,
-              token_lengths: bool = False) -> StepPlan:
+              token_lengths: bool = False, ring_tokens: int = 0) -> StepPlan:
     """Ids, positions, cache slots, `cu_seqlens_q`, `seq_lens`, table rows, kept rows and sampling
     parameters of `num_tokens[i]` new tokens of each `seqs[i]`; with `token_lengths`, also the full
-    length of each packed token's sequence (per-sequence LongRoPE)."""
+    length of each packed token's sequence (per-sequence LongRoPE); with `ring_tokens`, each token's slot
+    in its row's ring of that many tokens (window_ring.py)."""
     rows, width, new = tables.sync(seqs)
     for seq in new:
         params.write(seq)
@@ -54,6 +56,8 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], tables: BlockTables, 
               "table_values": table_values, **sampling}
     if token_lengths:
         arrays["token_lengths"] = np.repeat(lengths, counts)
+    if ring_tokens:
+        arrays["ring_slots"] = ring_slots(np.repeat(rows, counts), positions, ring_tokens)
     holes = np.flatnonzero(ids < 0)
     if holes.size:  # placeholders (pipeline.py): filled on the device from these rows of the last step
         arrays["fill_at"], arrays["fill_from"] = holes, -1 - ids[holes]
@@ -82,9 +86,10 @@ def _token_ids(seqs: list[Sequence], starts: np.ndarray, num_tokens: list[int], 
     return [t for seq, a, n in zip(seqs, starts, num_tokens) for t in seq.token_ids[a:a + n]]
 
 
-def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
-    """A synthetic step: one sequence of `num_tokens` prompt tokens over blocks 0, 1, ..., and
-    `num_rows` sampling rows with every filter on (the sampler's most memory-hungry path)."""
+def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: int = 0) -> StepPlan:
+    """A synthetic step: one sequence of `num_tokens` prompt tokens over blocks 0, 1, ... (and row 0's
+    ring, of `ring_tokens`), and `num_rows` sampling rows with every filter on (the sampler's most
+    memory-hungry path)."""
     width = cdiv(num_tokens, block_size)
     keep = np.arange(max(0, num_tokens - num_rows), num_tokens, dtype=np.int64)
     uniform = np.linspace(0, 1, num_rows, endpoint=False)
@@ -97,6 +102,8 @@ def profile_plan(num_tokens: int, num_rows: int, block_size: int) -> StepPlan:
               "temperature": (0.7 * full).astype(np.float32), "top_k": (50 * full).astype(np.int64),
               "top_p": (0.9 * full).astype(np.float32), "min_p": (0.01 * full).astype(np.float32),
               "uniform": uniform, "raw_logprobs": np.zeros(num_rows, np.bool_)}
+    if ring_tokens:
+        arrays["ring_slots"] = ring_slots(np.zeros(num_tokens, np.int64), arrays["positions"], ring_tokens)
     flags = SamplingFlags(scale=True, max_top_k=50, top_k1=False, top_p=True, min_p=True, all_greedy=False,
                           any_greedy=False, any_raw=False)
     tables = torch.arange(width, dtype=torch.int32)[None]

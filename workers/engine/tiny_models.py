@@ -20,6 +20,7 @@ ARCHS = {
     "gemma2": transformers.Gemma2Config,
     "qwen3_5_text": transformers.Qwen3_5TextConfig,  # linear-attention hybrid: pass its layer_types, linear_*
     "deepseek_v2": transformers.DeepseekV2Config,  # multi-head latent attention: pass kv_lora_rank, qk_*, v_head_dim
+    "gpt_oss": transformers.GptOssConfig,  # sliding-window and full layers alternating, attention sinks, MoE
 }
 
 EOS, PAD, BOS = "<|endoftext|>", "<|pad|>", "<s>"

@@ -26,6 +26,8 @@ class AttentionMetadata:
 
     `rows[b]` is sequence `b`'s block-table row, which also indexes its recurrent state (recurrent.py);
     `host_cu_seqlens_q` and `host_seq_lens` are the host copies a step that is not a decode step splits by.
+    A layer that keeps only its window (window_ring.py) reads `ring_block_table` and writes `ring_slot_mapping`
+    instead of `block_table` and `slot_mapping`.
     """
 
     slot_mapping: torch.Tensor  # [T] int64
@@ -38,6 +40,8 @@ class AttentionMetadata:
     rows: torch.Tensor | None = None  # [B] int64
     host_cu_seqlens_q: np.ndarray | None = None
     host_seq_lens: np.ndarray | None = None
+    ring_slot_mapping: torch.Tensor | None = None  # [T] int64
+    ring_block_table: torch.Tensor | None = None  # [B, max_blocks] int32
 
 
 class AttentionBackend:
@@ -54,6 +58,14 @@ class AttentionBackend:
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take this step's metadata; backends precompute what all layers share here."""
         self.meta = meta
+
+    def tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table layer `layer` reads and the slot mapping it writes: its ring's when it keeps only
+        its window."""
+        meta = self.meta
+        if self.kv_cache.rings[layer]:
+            return meta.ring_block_table, meta.ring_slot_mapping
+        return meta.block_table, meta.slot_mapping
 
     def graph_scalars(self, meta: AttentionMetadata) -> tuple:
         """The host scalars this backend bakes into the launches of a decode-graph step with metadata `meta`

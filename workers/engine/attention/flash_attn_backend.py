@@ -76,15 +76,16 @@ class FlashAttnBackend(AttentionBackend):
             raise NotImplementedError("attention sinks, which flash-attn 2 lacks (use attention_backend='triton')")
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
+        block_table, slots = self.tables(layer)
         if self.kv_cache.stores[layer]:
-            self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            self._store_kv(k, v, k_cache, v_cache, slots)
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                     block_table=meta.block_table, softmax_scale=scale, causal=True,
+                                     block_table=block_table, softmax_scale=scale, causal=True,
                                      window_size=window, softcap=softcap or 0.0)
             return out.squeeze(1)
         return self._varlen(q, k_cache, v_cache, meta.cu_seqlens_q, self.cu_seqlens_k,
                             meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=scale, causal=True,
                             window_size=window, softcap=softcap or 0.0,
-                            block_table=meta.block_table)
+                            block_table=block_table)

@@ -23,12 +23,14 @@ class _Group:
     """Sequences padded to one [rows, max_q] x [rows, num_blocks * block_size] problem, with masks.
 
     `q_pos[r, i]` is the position of query `i` of row `r`; row `r` sees its first `k_lens[r]` keys,
-    gathered from `blocks[r]`. Subclasses say how queries are gathered from, and written back to,
-    the packed tokens.
+    gathered from `blocks[r]` (from `ring_blocks[r]` in a layer that keeps only its window). Subclasses say
+    how queries are gathered from, and written back to, the packed tokens.
     """
 
-    def __init__(self, blocks: torch.Tensor, q_pos: torch.Tensor, k_lens: torch.Tensor, block_size: int) -> None:
+    def __init__(self, blocks: torch.Tensor, ring_blocks: torch.Tensor | None, q_pos: torch.Tensor,
+                 k_lens: torch.Tensor, block_size: int) -> None:
         self.blocks = blocks
+        self.ring_blocks = ring_blocks
         self.q_pos = q_pos
         self.k_pos = torch.arange(blocks.shape[1] * block_size, device=blocks.device)[None, None, :]
         self.causal = (self.k_pos <= q_pos[:, :, None]) & (self.k_pos < k_lens[:, None, None])
@@ -51,8 +53,8 @@ class _PackedGroup(_Group):
         q_ar = torch.arange(int(q_lens.max()), device=rows.device)
         self.q_valid = q_ar[None, :] < q_lens[:, None]
         self.q_index = (meta.cu_seqlens_q[rows].long()[:, None] + q_ar[None, :])[self.q_valid]
-        super().__init__(meta.block_table[rows, :num_blocks].long(), (k_lens - q_lens)[:, None] + q_ar[None, :],
-                         k_lens, block_size)
+        super().__init__(meta.block_table[rows, :num_blocks].long(), _rows_of(meta.ring_block_table, rows, num_blocks),
+                         (k_lens - q_lens)[:, None] + q_ar[None, :], k_lens, block_size)
 
     def gather(self, q: torch.Tensor) -> torch.Tensor:
         """The group's queries `[rows, max_q, Hq, D]`, zero past each row's own."""
@@ -74,7 +76,8 @@ class _DecodeGroup(_Group):
     def __init__(self, meta: AttentionMetadata, start: int, stop: int, num_blocks: int, block_size: int) -> None:
         self.rows = slice(start, stop)
         k_lens = meta.seq_lens[start:stop].long().clamp(min=1)
-        super().__init__(meta.block_table[start:stop, :num_blocks].long(), (k_lens - 1)[:, None], k_lens,
+        super().__init__(meta.block_table[start:stop, :num_blocks].long(),
+                         _rows_of(meta.ring_block_table, self.rows, num_blocks), (k_lens - 1)[:, None], k_lens,
                          block_size)
 
     def gather(self, q: torch.Tensor) -> torch.Tensor:
@@ -86,12 +89,16 @@ class _DecodeGroup(_Group):
         out[self.rows] = res[:, 0]
 
 
+def _rows_of(table: torch.Tensor | None, rows: torch.Tensor | slice, num_blocks: int) -> torch.Tensor | None:
+    return None if table is None else table[rows, :num_blocks].long()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                     scale: float, sliding_window: int | None, softcap: float | None,
-                    out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
-    """Attend the group's queries over their cached keys; write rows of `out` `[T, Hq, Dv]` (values are the
-    first Dv of each cached value). A sink logit per query head joins each softmax as one more column,
-    dropped after.
+                    out: torch.Tensor, sinks: torch.Tensor | None = None, ring: bool = False) -> None:
+    """Attend the group's queries over their cached keys (in their ring's blocks, with `ring`); write rows of
+    `out` `[T, Hq, Dv]` (values are the first Dv of each cached value). A sink logit per query head joins each
+    softmax as one more column, dropped after.
 
     Keys and values are gathered whole blocks at a time and multiplied per KV head as strided
     views, so no per-token gather or transposed copy of the cache is made.
@@ -101,9 +108,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     h_kv = k_cache.shape[2]
     g = h_q // h_kv
     qp = group.gather(q)
-    keys = k_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d)
+    blocks = (group.ring_blocks if ring else group.blocks).flatten()
+    keys = k_cache.index_select(0, blocks).view(rows, -1, h_kv, d)
     values = (keys if v_cache.data_ptr() == k_cache.data_ptr() else
-              v_cache.index_select(0, group.blocks.flatten()).view(rows, -1, h_kv, d))[..., :dv]
+              v_cache.index_select(0, blocks).view(rows, -1, h_kv, d))[..., :dv]
     hidden = ~group.mask(sliding_window)[:, None]
     res = q.new_empty(rows, max_q, h_kv, g, dv)
     for h in range(h_kv):
@@ -130,7 +138,7 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_cache: KvCache) -> None:
         super().__init__(kv_cache)
-        self.block_bytes = max(t[0, 0, 0].numel() for t in kv_cache.tensors) * kv_cache.dtype.itemsize
+        self.block_bytes = max(kv[0][0].numel() for kv in kv_cache.layers if kv is not None) * kv_cache.dtype.itemsize
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and group its sequences into row groups of bounded K/V size: sorted
@@ -181,8 +189,9 @@ class TorchBackend(AttentionBackend):
         group by group."""
         k_cache, v_cache = self.kv_cache.layers[layer]
         if self.kv_cache.stores[layer]:
-            store_kvcache(k, v, k_cache, v_cache, self.meta.slot_mapping)
+            store_kvcache(k, v, k_cache, v_cache, self.tables(layer)[1])
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         for group in self.groups:
-            paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out, sinks)
+            paged_attention(q, k_cache, v_cache, group, scale, sliding_window, softcap, out, sinks,
+                            self.kv_cache.rings[layer])
         return out

@@ -102,10 +102,11 @@ class TritonBackend(AttentionBackend):
         returns `[T, Hq, Dv]`."""
         meta = self.meta
         k_cache, v_cache = self.kv_cache.layers[layer]
+        block_table, slots = self.tables(layer)
         if self.kv_cache.stores[layer]:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, slots)
         config = launch_config(q.shape[1], k.shape[1], v.shape[2], q.dtype, self.decode_only,
                                self.num_splits)
         self.programs_per_seq = max(self.programs_per_seq, k.shape[1] * config.head_splits)
-        return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+        return paged_attention(q, k_cache, v_cache, block_table, meta.seq_lens,
                                meta.cu_seqlens_q, scale, sliding_window, softcap, config, sinks, v.shape[2])
