@@ -49,10 +49,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     step late (the token computed meanwhile is dropped, counted in `wasted_tokens`).
 
     `windowed_kv` is what a sliding-window layer keeps of each sequence: `"window"`, only its last window
-    (and a step's new tokens), in a ring of blocks per sequence slot: a fixed `max_num_seqs` x (window - 1 +
-    `max_batch_tokens`) tokens of those layers, whatever the sequences' lengths, with prefix caching off (a
-    cached prefix would come without its window); `"full"`, every token, as other layers do; `"auto"`,
-    `"window"` when one ring holds at most half of `max_model_len` tokens.
+    (and a step's new tokens), in a ring of blocks per sequence slot: a fixed `max_num_seqs + 1` rings of
+    window - 1 + min(`max_batch_tokens`, max(window, 256)) tokens of those layers, whatever the sequences'
+    lengths, out of the KV budget, with prefix caching off (a cached prefix would come without its window);
+    `"full"`, every token, as other layers do; `"auto"`, `"window"` where the rings fit in the tokens a cache
+    of every token would hold in the budget (so they cost no capacity), else `"full"`.
     """
 
     model: str

@@ -221,6 +221,22 @@ def print_rollout(results: dict[str, list[float]], args, workload: str = "cpu-ro
         print(f"engine / generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}")
 
 
+def capped_run(path: str, prompts, args, gib: float, **config) -> tuple[float, dict]:
+    """tokens/s and stats of one rollout (`args`' n and new tokens, eos ignored) on an engine whose KV cache is
+    capped at `gib` GiB (`config` adding fields; max_model_len the longest sample: a tiny model's 32768 would
+    not fit that cache)."""
+    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=longest(prompts, args), **config))
+    params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
+
+
+def longest(prompts, args) -> int:
+    """Tokens of the workload's longest sample."""
+    return max(len(p) for p in prompts) + args.new_tokens
+
+
 def print_pressure(pressure: list[tuple[str, float, dict]],
                    title: str = "8 prompts x n=8 x 512 new tokens, KV cache at ~25% of the workload's need") -> None:
     """The pressure table: tokens/s and preemption counts per cache size."""

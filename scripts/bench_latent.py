@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 from unittest import mock
 
-from bench_cpu import engine_run, make_prompts, print_pressure, print_rollout, rollout_parser, rollout_rounds
+from bench_cpu import (
+    capped_run,
+    engine_run,
+    longest,
+    make_prompts,
+    print_pressure,
+    print_rollout,
+    rollout_parser,
+    rollout_rounds,
+)
 
-from rollout import SamplingParams
 from rollout.config import EngineConfig
 from workers.engine import Engine, latent
 from workers.engine.tiny_models import build_tiny_model
@@ -37,21 +44,6 @@ def expanded_kv() -> contextlib.AbstractContextManager:
     return mock.patch.object(latent, "_is_latent_attention", lambda module: False)
 
 
-def pressure_run(path: str, prompts, args, gib: float) -> tuple[float, dict]:
-    """tokens/s and stats of one rollout on an engine whose KV cache is capped at `gib` (max_model_len the
-    longest sample: the model's 32768 would not fit that cache)."""
-    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=longest(prompts, args)))
-    params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
-
-
-def longest(prompts, args) -> int:
-    """Tokens of the workload's longest sample."""
-    return max(len(p) for p in prompts) + args.new_tokens
-
-
 def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
     """Both caches under a budget of a quarter of the expanded cache's need (each sample's own blocks, the
     prompt's shared), and at least two of the longest samples."""
@@ -60,8 +52,8 @@ def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
     need = sum(len(p) + args.n * args.new_tokens for p in prompts) * per_token
     gib = max(need / 4, 2 * longest(prompts, args) * per_token) / 2**30
     with expanded_kv():
-        expanded = pressure_run(path, prompts, args, gib)
-    return [("latent (default)", *pressure_run(path, prompts, args, gib)), ("expanded K/V", *expanded)]
+        expanded = capped_run(path, prompts, args, gib)
+    return [("latent (default)", *capped_run(path, prompts, args, gib)), ("expanded K/V", *expanded)]
 
 
 def main() -> None:

@@ -6,20 +6,19 @@ Model: a tiny random gpt-oss-shaped model (hidden 256, 4 layers alternating wind
 8 query and 2 KV heads of 64, attention sinks, 4 experts of which 2 per token, vocab 4096).
 Workloads: "cpu-window-rollout": 4 prompts of 32-160 tokens, n = 8, 1024 new tokens, eos ignored, temperature
 1, engines built with the defaults, `generate` with its best batch of 4, 8 or 16 prompts per call;
-"pressure": the same requests, both engines at max_num_seqs 32 (the workload's samples) and one memory budget:
-a quarter of what the full cache needs for all of them; the ring engine's paged blocks get that budget less
-its rings (recompute only, the default; max_model_len the longest sample).
+"pressure": the same requests, both engines at max_num_seqs 32 (the workload's samples) and one memory budget
+(kv_cache_memory_gib, which the rings come out of): a quarter, and then a half, of what the full cache needs
+for all of them (recompute only, the default; max_model_len the longest sample). "auto" picks rings where
+they cost no capacity, printed per budget.
 Usage: python scripts/bench_window.py [--prompts 4] [--n 8] [--new-tokens 1024] [--repeats 2] [--skip-hf]
 """
 
 from __future__ import annotations
 
 import tempfile
-import time
 
-from bench_cpu import engine_run, make_prompts, print_pressure, print_rollout, rollout_parser, rollout_rounds
+import bench_cpu as cpu
 
-from rollout import SamplingParams
 from rollout.config import EngineConfig
 from workers.engine import Engine
 from workers.engine.tiny_models import build_tiny_model
@@ -30,50 +29,40 @@ GPT_OSS = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_
 FULL = "engine, every token kept (previous version)"
 
 
-def pressure_run(path: str, prompts, args, gib: float, mode: str) -> tuple[float, dict]:
-    """tokens/s and stats of one rollout with `gib` GiB for paged blocks and `mode` windowed_kv."""
-    engine = Engine(EngineConfig(model=path, kv_cache_memory_gib=gib, max_model_len=longest(prompts, args),
-                                 max_num_seqs=len(prompts) * args.n, windowed_kv=mode))
-    params = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
-
-
-def longest(prompts, args) -> int:
-    """Tokens of the workload's longest sample."""
-    return max(len(p) for p in prompts) + args.new_tokens
-
-
 def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
-    """Both engines in one memory budget: a quarter of the full cache's need (each sample's own blocks, the
-    prompt's shared), and at least two of the longest samples; the rings come out of the ring engine's share."""
-    probe = dict(model=path, num_blocks=8, max_num_seqs=len(prompts) * args.n, max_model_len=longest(prompts, args))
+    """Both engines in one memory budget, a quarter and a half of the full cache's need (each sample's own
+    blocks, the prompt's shared)."""
+    probe = dict(model=path, num_blocks=8, max_num_seqs=len(prompts) * args.n, max_model_len=cpu.longest(prompts, args))
     full = Engine(EngineConfig(**probe, windowed_kv="full")).runner
     window = Engine(EngineConfig(**probe, windowed_kv="window")).runner
     per_token = full.bytes_per_block / full.block_size
     need = sum(len(p) + args.n * args.new_tokens for p in prompts) * per_token
-    budget = max(need / 4, 2 * longest(prompts, args) * per_token)
-    rings = window.states.nbytes
-    print(f"KV bytes per token: {per_token:.0f} full, {window.bytes_per_block / window.block_size:.0f} paged + rings "
-          f"of {window.ring_tokens} tokens per row ({rings / 2**20:.1f} MiB for {window.states.num_slots} rows); "
-          f"budget {budget / 2**20:.1f} MiB", flush=True)
-    return [("rings (default)", *pressure_run(path, prompts, args, (budget - rings) / 2**30, "window")),
-            ("every token kept", *pressure_run(path, prompts, args, budget / 2**30, "full"))]
+    print(f"KV bytes per token: {per_token:.0f} full, {window.bytes_per_block / window.block_size:.0f} paged, and "
+          f"rings of {window.ring_tokens} tokens per row ({window.states.nbytes / 2**20:.1f} MiB for "
+          f"{window.states.num_slots} rows); the workload needs {need / 2**20:.1f} MiB kept whole", flush=True)
+    rows = []
+    for share in (4, 2):
+        gib = need / share / 2**30
+        auto = Engine(EngineConfig(**{**probe, "num_blocks": None}, kv_cache_memory_gib=gib)).runner.layout.rings
+        print(f"1/{share} of the need: auto picks {'rings' if auto else 'every token'}", flush=True)
+        for label, mode in (("rings", "window"), ("every token kept", "full")):
+            rows.append((f"1/{share}: {label}", *cpu.capped_run(path, prompts, args, gib, windowed_kv=mode,
+                                                                max_num_seqs=len(prompts) * args.n)))
+    return rows
 
 
 def main() -> None:
     """Build the model, time both engines and `generate` in interleaved rounds, then under memory pressure,
     and print the tables."""
-    args = rollout_parser(__doc__, prompts=4, new_tokens=1024, repeats=2).parse_args()
-    prompts = make_prompts(args.prompts)
+    args = cpu.rollout_parser(__doc__, prompts=4, new_tokens=1024, repeats=2).parse_args()
+    prompts = cpu.make_prompts(args.prompts)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_model(tmp, "gpt_oss", **GPT_OSS))
-        others = {FULL: engine_run(path, prompts, args.n, args.new_tokens, windowed_kv="full")}
-        results = rollout_rounds(path, prompts, args, others)
+        others = {FULL: cpu.engine_run(path, prompts, args.n, args.new_tokens, windowed_kv="full")}
+        results = cpu.rollout_rounds(path, prompts, args, others)
         pressure = bench_pressure(path, prompts, args)
-    print_rollout(results, args, "cpu-window-rollout")
-    print_pressure(pressure, "the same requests, one memory budget: a quarter of the full cache's need")
+    cpu.print_rollout(results, args, "cpu-window-rollout")
+    cpu.print_pressure(pressure, "the same requests, one memory budget per pair: a share of the full cache's need")
 
 
 if __name__ == "__main__":

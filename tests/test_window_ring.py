@@ -116,15 +116,22 @@ def test_ring_layers_take_no_paged_blocks(zoo_dir):
     assert not window.config.enable_prefix_caching and full.states is None
 
 
-def test_auto_keeps_rings_only_where_they_save(zoo_dir):
-    """"auto": rings when one holds at most half of max_model_len (256 here): with 16-token steps (a
-    32-token ring) yes; with 1024-token steps, whose prompt chunks rings cap at 256 tokens (a 272-token
-    ring), no."""
+def test_auto_keeps_rings_only_where_they_cost_no_capacity(zoo_dir):
+    """"auto": rings when max_num_seqs + 1 of them fit in the tokens a full cache of the budget holds (256
+    blocks of 8 here): 17 rings of 32 tokens do, not in 60 blocks; 257 rings of 272 tokens (1024-token
+    steps, whose prompt chunks rings cap at 256 tokens) do not. Rings come out of the budget."""
     path = zoo_dir("gemma2")
-    assert make_engine(path, **SMALL).runner.layout.rings
+    runner = make_engine(path, **SMALL).runner
+    assert runner.layout.rings and runner.states.nbytes == 17 * 32 * 2 * 2 * 8 * 4  # K and V of 2 heads x 8
+    assert not make_engine(path, **{**SMALL, "num_blocks": 60}).runner.layout.rings
+    assert make_engine(path, **{**SMALL, "num_blocks": 60}, windowed_kv="window").runner.layout.rings
     assert not make_engine(path, block_size=8, max_batch_tokens=1024).runner.layout.rings
     runner = make_engine(path, block_size=8, max_batch_tokens=1024, windowed_kv="window").runner
     assert (runner.ring_blocks, runner.max_chunk) == (cdiv(WINDOW - 1 + 256, 8), 256)
+    budget = dict(SMALL, num_blocks=None, kv_cache_memory_gib=0.0003)
+    sized, full = make_engine(path, **budget).runner, make_engine(path, **budget, windowed_kv="full").runner
+    assert sized.layout.rings and sized.kv_cache.nbytes + sized.states.nbytes <= 0.0003 * 2**30
+    assert sized.num_blocks * sized.block_size > full.num_blocks * full.block_size
     assert not make_engine(zoo_dir("llama_stray_window"), windowed_kv="window", **SMALL).runner.layout.rings
 
 
@@ -151,7 +158,7 @@ def test_prompt_chunks_are_capped_to_what_a_ring_holds(model_dir):
     equal `generate`'s."""
     from tests.conftest import hf_model
     path = model_dir("gemma2", max_position_embeddings=2048)
-    engine = make_engine(path, max_batch_tokens=1024)
+    engine = make_engine(path, max_batch_tokens=1024, max_num_seqs=4)
     assert engine.runner.layout.rings and engine.scheduler.max_chunk == 256
     prompts = random_prompts(2, 512, (700, 700), seed=4)
     prompts[1] = prompts[1][:30]

@@ -7,69 +7,29 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
-import transformers
 
 from rollout.config import EngineConfig
 from workers.engine import memory
-from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionMetadata, set_backend
+from workers.engine.attention import AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
 from workers.engine.graphs import DecodeGraphs, resolve
 from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
-from workers.engine.model_support import adapt_model, check_config
+from workers.engine.model_support import adapt_model, load_model, max_model_len
 from workers.engine.pipeline import Sampled
 from workers.engine.recurrent import StateCache
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
-from workers.engine.window_ring import plan_rings, ring_state_layout, ring_table, ring_views
+from workers.engine.window_ring import choose_rings, ring_bytes, ring_state_layout, ring_table, ring_views
 
 logger = logging.getLogger(__name__)
-
-
-def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
-    """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
-    to the paged cache."""
-    path = Path(config.model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
-    trust = {"trust_remote_code": config.trust_remote_code}
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(path, **trust)
-        check_config(hf_config)
-        on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
-            **on_cuda, **trust)
-    except (OSError, KeyError) as err:
-        raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
-    except ValueError as err:
-        if "trust_remote_code" not in str(err):
-            raise
-        raise ValueError(f"EngineConfig.model={config.model!r} needs the Python code it ships (config.json "
-                         "auto_map); it runs only with EngineConfig.trust_remote_code=True") from err
-    return model.eval()
-
-
-# A model with no position limit (a state-space model has no position embeddings) serves this many tokens
-# per sequence unless `max_model_len` says otherwise.
-UNBOUNDED_MAX_MODEL_LEN = 32768
-
-
-def _max_model_len(config: EngineConfig, hf: transformers.PretrainedConfig) -> int:
-    """`config.max_model_len`, at most the model's `max_position_embeddings` (or UNBOUNDED_MAX_MODEL_LEN when
-    the model has none and none is configured)."""
-    limit = getattr(hf, "max_position_embeddings", None)
-    if limit is None:
-        return config.max_model_len or UNBOUNDED_MAX_MODEL_LEN
-    return min(config.max_model_len or limit, limit)
 
 
 @dataclass
@@ -108,20 +68,17 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         with _phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
-        layout, self.mixers = adapt_model(self.model)
+        self.layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config, self.model)[1]
         hf = self.model.config.get_text_config(decoder=True)
-        self.max_model_len = _max_model_len(config, hf)
+        self.max_model_len = max_model_len(config, hf)
         self.vocab_size = hf.vocab_size
         self.block_size = config.block_size
-        self.layout, self.ring_blocks, self.max_chunk = plan_rings(
-            layout, config.windowed_kv, config.max_batch_tokens, config.block_size, self.max_model_len)
+        self.ring_blocks, self.max_chunk, self.ring_columns = 0, None, None  # rings: chosen with the cache's size
         self.staging = Staging(self.device)
         self.tables = BlockTables(config.max_num_seqs, cdiv(self.max_model_len, config.block_size),
                                   config.block_size)
-        self.ring_columns = (torch.arange(self.tables.max_blocks, dtype=torch.int32, device=self.device)
-                             % max(self.ring_blocks, 1))
         self.row_params = RowParams(config.max_num_seqs)
         self.device_tables = (self.tables.host if self.device.type == "cpu"
                               else torch.zeros_like(self.tables.host, device=self.device))
@@ -176,11 +133,13 @@ class ModelRunner:
         return states
 
     def _size_cache(self) -> int:
-        """`num_blocks` as configured, or as many as the memory budget holds (logged once)."""
+        """`num_blocks` as configured, or as many as the memory budget (less the windowed layers' rings, when
+        they are chosen) holds; logged once."""
         sized = self.config.num_blocks is None
         num_blocks = self.config.num_blocks
+        budget = memory.kv_budget_bytes(self.config, self._profile_peak) if sized else num_blocks * self.bytes_per_block
+        budget -= self._add_rings(budget)
         if sized:
-            budget = memory.kv_budget_bytes(self.config, self._profile_peak)
             try:
                 num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
             except ValueError as err:
@@ -190,6 +149,19 @@ class ModelRunner:
                                  f"{self.states.nbytes / 2**30:.2f} GiB, a slot per sequence") from err
         memory.log_cache(num_blocks, self.block_size, self.bytes_per_block, sized)
         return num_blocks
+
+    def _add_rings(self, budget: int) -> int:
+        """Keep the windowed layers' last keys only, in rings, where `windowed_kv` says so (window_ring.py): the
+        per-row state is allocated again with them. Returns the bytes the rings take."""
+        plan = choose_rings(self.layout, self.config, self.max_model_len, budget, self.model.dtype)
+        if not plan.blocks:
+            return 0
+        self.layout, self.ring_blocks, self.max_chunk = plan
+        self.ring_columns = torch.arange(self.tables.max_blocks, dtype=torch.int32, device=self.device) % plan.blocks
+        self.states = None
+        self.states = self._new_states()
+        rows = self.config.max_num_seqs + 1
+        return ring_bytes(self.layout, self.ring_blocks, self.block_size, rows, self.model.dtype)
 
     def _profile_peak(self) -> int:
         """Peak CUDA bytes of the model's largest step (a forward of `max_batch_tokens` tokens and

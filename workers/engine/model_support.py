@@ -1,4 +1,4 @@
-"""Which models the engine serves exactly, and the shape of their paged KV cache.
+"""Which models the engine serves exactly, how they load, and the shape of their paged KV cache.
 
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
 against transformers `generate`; a vision-language type there is served text-only: Gemma 3's or 4's
@@ -11,10 +11,14 @@ model type and the feature.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
 
-from workers.engine.attention import AttentionBackend, set_backend
+from rollout.config import EngineConfig
+from workers.engine import memory
+from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionBackend, set_backend
 from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
@@ -114,6 +118,44 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     install_per_sequence_longrope(model)
     cache_rope_init(model)
     return layout, mixers
+
+
+def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
+    """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
+    to the paged cache."""
+    path = Path(config.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
+    trust = {"trust_remote_code": config.trust_remote_code}
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(path, **trust)
+        check_config(hf_config)
+        on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
+            **on_cuda, **trust)
+    except (OSError, KeyError) as err:
+        raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"EngineConfig.model={config.model!r} needs the Python code it ships (config.json "
+                         "auto_map); it runs only with EngineConfig.trust_remote_code=True") from err
+    return model.eval()
+
+
+# A model with no position limit (a state-space model has no position embeddings) serves this many tokens
+# per sequence unless `max_model_len` says otherwise.
+UNBOUNDED_MAX_MODEL_LEN = 32768
+
+
+def max_model_len(config: EngineConfig, hf: transformers.PretrainedConfig) -> int:
+    """`config.max_model_len`, at most the model's `max_position_embeddings` (or UNBOUNDED_MAX_MODEL_LEN when
+    the model has none and none is configured)."""
+    limit = getattr(hf, "max_position_embeddings", None)
+    if limit is None:
+        return config.max_model_len or UNBOUNDED_MAX_MODEL_LEN
+    return min(config.max_model_len or limit, limit)
 
 
 class _ShapeProbe(AttentionBackend):

@@ -11,21 +11,26 @@ key's position from its table column and mask what lies outside the window, what
 Rings are per-row state, like a recurrent layer's (recurrent.py): they live in the same StateCache, so a
 fork copies the prompt's ring to each child, an offload moves it to the CPU pool with the sequence, and a
 recompute writes it afresh. A cached prefix would come without its window, so prefix caching is off for a
-model with rings. Their memory is fixed: `max_num_seqs + 1` rings per ring layer, whatever the sequences'
-lengths. `EngineConfig.windowed_kv="auto"` keeps windows in rings when one ring holds at most half of
-`max_model_len` tokens (at full length, the windowed layers then take at most half of what they would).
+model with rings. Their memory is fixed, `max_num_seqs + 1` rings per ring layer whatever the sequences'
+lengths, and comes out of the KV cache's budget. `EngineConfig.windowed_kv="auto"` keeps windows in rings
+only where that costs no capacity: when the rings fit in the tokens a cache of every token would hold in
+the budget, the paged blocks left (which no longer hold the windowed layers) hold at least as many tokens.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from rollout.config import EngineConfig
 from workers.engine.kv_cache import KvLayout
 from workers.engine.recurrent import StateCache, StateKey
 from workers.engine.sequence import cdiv
+
+logger = logging.getLogger(__name__)
 
 RING_KEYS = ("ring_k", "ring_v")
 MIN_CHUNK = 256  # the fewest prompt tokens a sequence may compute per step with rings (at most max_batch_tokens)
@@ -40,17 +45,38 @@ class RingPlan(NamedTuple):
     chunk: int | None = None
 
 
-def plan_rings(layout: KvLayout, mode: str, max_batch_tokens: int, block_size: int, max_model_len: int) -> RingPlan:
-    """Which layers keep only their window under `mode` ("auto", "window", "full"), and their rings' size."""
+def plan_rings(layout: KvLayout, mode: str, max_batch_tokens: int, block_size: int) -> RingPlan:
+    """Which layers may keep only their window under `mode` ("auto", "window", "full"), and their rings' size."""
     layers = ring_candidates(layout)
     if mode == "full" or not layers:
         return RingPlan(layout)
     window = max(layout.windows[layer] for layer in layers)
     chunk = min(max_batch_tokens, max(window, MIN_CHUNK))
-    blocks = cdiv(window - 1 + chunk, block_size)
-    if mode == "auto" and 2 * blocks * block_size > max_model_len:
-        return RingPlan(layout)
-    return RingPlan(layout._replace(rings=frozenset(layers)), blocks, chunk)
+    return RingPlan(layout._replace(rings=frozenset(layers)), cdiv(window - 1 + chunk, block_size), chunk)
+
+
+def choose_rings(layout: KvLayout, config: EngineConfig, max_model_len: int, budget: int,
+                 dtype: torch.dtype) -> RingPlan:
+    """The rings `config.windowed_kv` asks for. Under "auto" only where they cost no capacity: `max_num_seqs + 1`
+    rings fit in the tokens a cache of every token would hold in `budget` bytes, and a ring is shorter than
+    `max_model_len`; else none (logged)."""
+    plan = plan_rings(layout, config.windowed_kv, config.max_batch_tokens, config.block_size)
+    if not plan.blocks or config.windowed_kv == "window":
+        return plan
+    ring_tokens, rows = plan.blocks * config.block_size, config.max_num_seqs + 1
+    full_tokens = budget // layout.bytes_per_block(1, dtype)
+    if ring_tokens < max_model_len and rows * ring_tokens <= full_tokens:
+        return plan
+    logger.info("windowed layers keep every token: %d rings of %d tokens would take more than the %d tokens a "
+                "full cache holds in the budget (or a ring reaches max_model_len=%d); windowed_kv='window' "
+                "forces rings", rows, ring_tokens, full_tokens, max_model_len)
+    return RingPlan(layout)
+
+
+def ring_bytes(layout: KvLayout, ring_blocks: int, block_size: int, rows: int, dtype: torch.dtype) -> int:
+    """Bytes `rows` rings of every ring layer of `layout` take."""
+    shapes = ring_state_layout(layout, ring_blocks, block_size, dtype)
+    return rows * sum(shape.numel() * dtype.itemsize for shape, _ in shapes.values())
 
 
 def ring_candidates(layout: KvLayout) -> list[int]:
