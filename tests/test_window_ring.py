@@ -135,6 +135,13 @@ def test_auto_keeps_rings_only_where_they_cost_no_capacity(zoo_dir):
     assert not make_engine(zoo_dir("llama_stray_window"), windowed_kv="window", **SMALL).runner.layout.rings
 
 
+def test_forced_rings_that_leave_too_little_budget_are_named(zoo_dir):
+    """34,816 bytes of rings out of a 40,000-byte budget leave 5 blocks, fewer than one sequence needs."""
+    with pytest.raises(ValueError, match=r"fewer than the 32 .* windowed layers' rings\) takes 0.00 GiB"):
+        make_engine(zoo_dir("gemma2"), **dict(SMALL, num_blocks=None), kv_cache_memory_gib=40_000 / 2**30,
+                    windowed_kv="window")
+
+
 def test_unknown_windowed_kv_is_refused():
     with pytest.raises(ValueError, match=r"windowed_kv='ring' must be one of \('auto', 'window', 'full'\)"):
         EngineConfig(model="m", windowed_kv="ring")

@@ -143,10 +143,12 @@ class ModelRunner:
             try:
                 num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
             except ValueError as err:
-                if self.states is None or self.device.type != "cuda" or self.config.kv_cache_memory_gib:
+                counted = self.ring_blocks or (self.device.type == "cuda" and not self.config.kv_cache_memory_gib)
+                if self.states is None or not counted:
                     raise
-                raise ValueError(f"{err}; or lower max_num_seqs: the recurrent state takes "
-                                 f"{self.states.nbytes / 2**30:.2f} GiB, a slot per sequence") from err
+                raise ValueError(f"{err}; or lower max_num_seqs: the per-sequence state (recurrent layers' states, "
+                                 f"windowed layers' rings) takes {self.states.nbytes / 2**30:.2f} GiB, a slot per "
+                                 "sequence") from err
         memory.log_cache(num_blocks, self.block_size, self.bytes_per_block, sized)
         return num_blocks
 
