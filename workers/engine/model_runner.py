@@ -27,7 +27,7 @@ from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_ba
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
-from workers.engine.window_ring import choose_rings, ring_bytes, ring_state_layout, ring_table, ring_views
+from workers.engine.window_ring import choose_rings, ring_state_layout, ring_table, ring_views
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ class ModelRunner:
 
     def _new_states(self) -> StateCache | None:
         """The per-row state (recurrent layers' states, windowed layers' rings): a slot per block-table row and
-        one for a decode graph's padding rows, allocated before the KV cache is sized (on CUDA its memory then
-        counts against the budget)."""
+        one for a decode graph's padding rows. The recurrent states are allocated before the KV budget is
+        measured (on CUDA their memory then counts against it), the rings once it is (they come out of it)."""
         slots = self.config.max_num_seqs + 1
         rings = ring_state_layout(self.layout, self.ring_blocks, self.block_size, self.model.dtype)
         try:
@@ -160,10 +160,10 @@ class ModelRunner:
             return 0
         self.layout, self.ring_blocks, self.max_chunk = plan
         self.ring_columns = torch.arange(self.tables.max_blocks, dtype=torch.int32, device=self.device) % plan.blocks
-        self.states = None
+        before = 0 if self.states is None else self.states.nbytes
+        self.states = self.mixers.states = None  # the recurrent states are freed before they are made again
         self.states = self._new_states()
-        rows = self.config.max_num_seqs + 1
-        return ring_bytes(self.layout, self.ring_blocks, self.block_size, rows, self.model.dtype)
+        return self.states.nbytes - before
 
     def _profile_peak(self) -> int:
         """Peak CUDA bytes of the model's largest step (a forward of `max_batch_tokens` tokens and

@@ -73,12 +73,6 @@ def choose_rings(layout: KvLayout, config: EngineConfig, max_model_len: int, bud
     return RingPlan(layout)
 
 
-def ring_bytes(layout: KvLayout, ring_blocks: int, block_size: int, rows: int, dtype: torch.dtype) -> int:
-    """Bytes `rows` rings of every ring layer of `layout` take."""
-    shapes = ring_state_layout(layout, ring_blocks, block_size, dtype)
-    return rows * sum(shape.numel() * dtype.itemsize for shape, _ in shapes.values())
-
-
 def ring_candidates(layout: KvLayout) -> list[int]:
     """Layers storing K/V of their own under a sliding window that every layer reading that K/V shares (a
     layer reusing it with another window, or none, needs all of it); latent layers keep their cache."""
