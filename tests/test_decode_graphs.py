@@ -6,14 +6,16 @@ bucket) that the replay check catches."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig, load_service_config
-from tests.conftest import hf_model, make_engine, random_prompts, run, simulate_sms
+from tests.conftest import make_engine, random_prompts, run, simulate_sms
 from tests.model_zoo import build_zoo_model
-from workers.engine import graphs
+from workers.engine import graphs, model_runner
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
 from workers.engine.pipeline import Sampled
 
@@ -38,13 +40,12 @@ def test_buckets():
     assert kv_buckets(5000) == [1024, 2048, 4096, 8192]
 
 
-def test_cuda_graphs_field(model_dir):
-    dense = hf_model(model_dir())
-    assert graphs.resolve(EngineConfig(model="m"), dense) == (False, False)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda"), dense) == (False, True)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False)), dense) == (False, False)
-    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True)), dense) == (False, True)
-    assert graphs.resolve(EngineConfig(model="m", device="cuda", attention_backend="torch"), dense) == (False, False)
+def test_cuda_graphs_field():
+    assert graphs.resolve(EngineConfig(model="m")) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda")) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, False))) == (False, False)
+    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True))) == (False, True)
+    assert graphs.resolve(EngineConfig(model="m", device="cuda", attention_backend="torch")) == (False, False)
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(False, True\) with attention_backend='torch'"):
         EngineConfig(model="m", device="cuda", attention_backend="torch", cuda_graphs=(False, True))
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs=\(True, True\): varlen graphs .* not supported"):
@@ -56,24 +57,57 @@ def test_cuda_graphs_field(model_dir):
     assert from_toml.cuda_graphs == (False, True)
 
 
-def test_moe_decode_graphs_only_in_bfloat16_on_cuda(tmp_path, monkeypatch):
-    """transformers' MoE experts (torch._grouped_mm) capture only in bfloat16 (seen on an H100, torch 2.11)
-    and from compute capability 8.0 (below it transformers loops over the experts, syncing with the host):
-    otherwise decode graphs on CUDA are refused when asked for and off by default; on the CPU, where
-    nothing is captured, they stay on."""
-    moe = hf_model(build_zoo_model("mixtral", tmp_path))
-    on_cuda = EngineConfig(model="m", device="cuda")
-    assert graphs.resolve(on_cuda, moe) == (False, False)
-    with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): the MoE experts .*_grouped_mm.*float32"):
-        graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, True)), moe)
-    assert graphs.resolve(EngineConfig(model="m", cuda_graphs=(False, True)), moe) == (False, True)
-    moe = moe.to(torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert graphs.resolve(on_cuda, moe) == (False, True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert graphs.resolve(on_cuda, moe) == (False, False)
-    with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): .*grouped_mm, which needs compute capab"):
-        graphs.resolve(EngineConfig(model="m", device="cuda", cuda_graphs=(False, True)), moe)
+def _waits_on_host(filename: str, inner=None):
+    """A function compiled as if from `filename` that raises torch's sync debug error (or calls `inner`)."""
+    scope = {"inner": inner}
+    body = "def step():\n    return inner() if inner else (_ for _ in ()).throw(RuntimeError(" \
+           "'called a synchronizing CUDA operation'))\n"
+    exec(compile(body, filename, "exec"), scope)
+    return scope["step"]
+
+
+def test_host_sync_names_the_models_line():
+    """The error of a decode step that waits on the host names the innermost frame outside torch, and for
+    transformers' MoE experts says they stay on the device in bfloat16 only."""
+    torch_op = _waits_on_host(str(Path(torch.__file__).parent / "nn" / "functional.py"))
+    for path, hint in [("/opt/torch/site/transformers/models/dbrx/modeling_dbrx.py", False),
+                       ("/site/transformers/integrations/moe.py", True)]:
+        with pytest.raises(RuntimeError, match="synchronizing") as err:
+            _waits_on_host(path, inner=torch_op)()
+        message = graphs.host_sync_message(err.value)
+        assert message.startswith(f"the decode step waits on the host at {Path(path).parent.name}/"
+                                  f"{Path(path).name}:2"), message
+        assert ("bfloat16 only" in message) == hint
+
+
+def test_graphs_off_when_the_decode_step_waits_on_the_host(model_dir, monkeypatch):
+    """When capture finds a host wait, decode graphs asked for are refused with its line, and graphs left
+    to the default are off, decode steps running eagerly with the same outputs (here on the CPU, with the
+    capture made to find one, as it does on a GPU for tests/test_model_coverage.py's HOST_SYNC families)."""
+    def found(runner):
+        raise graphs.HostSync("the decode step waits on the host at dbrx/modeling_dbrx.py:433")
+    monkeypatch.setattr(model_runner, "DecodeGraphs", found)
+    with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): the decode step waits on the host at "
+                                         r"dbrx/modeling_dbrx.py:433; use cuda_graphs=\(False, False\) or None"):
+        make_engine(model_dir(), cuda_graphs=DECODE_GRAPHS)
+    def samples(engine):
+        return {key: (row["token_ids"], row["logprobs"]) for key, row in run(engine, PROMPTS[2:], PARAMS[2:]).items()}
+    want = samples(make_engine(model_dir()))
+    monkeypatch.setattr(model_runner, "resolve", lambda config: DECODE_GRAPHS)  # as on CUDA by default
+    engine = make_engine(model_dir())
+    assert engine.runner.graphs is None and not engine.runner.decode_graphs
+    assert samples(engine) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float32_moe_experts_wait_on_the_host(tmp_path):
+    """transformers' MoE experts (torch._grouped_mm) stay on the device in bfloat16 only (seen on an H100,
+    torch 2.11): in float32 decode graphs are refused when asked for and off by default."""
+    path = build_zoo_model("mixtral", tmp_path)
+    with pytest.raises(ValueError, match=r"waits on the host at integrations/moe.py:\d+.*bfloat16 only"):
+        make_engine(path, device="cuda", cuda_graphs=DECODE_GRAPHS, max_num_seqs=8)
+    assert make_engine(path, device="cuda", max_num_seqs=8).runner.graphs is None
+    assert make_engine(path, device="cuda", dtype="bfloat16", max_num_seqs=8).runner.graphs.num_captured > 0
 
 
 def replay_check(runner, inputs) -> tuple[tuple[int, int], int, bool]:

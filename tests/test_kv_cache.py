@@ -14,6 +14,9 @@ from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.offload import CpuPool
 
 BLOCK = 8
+# Their float32 MoE experts wait on the host, so on a GPU their decode graphs are refused (test_model_coverage
+# captures them in bfloat16).
+FLOAT32_MOE = ("mimo_v2_flash", "deepseek_v3")
 # Windowed layers of 2 heads x 8, global ones of 1 head x 16; layers 4 and 5 reuse 2's and 3's K/V.
 MIXED = KvLayout(shapes=((2, 8), (1, 16)) * 3, owners=(0, 1, 2, 3, 2, 3), windows=(12, None) * 3)
 
@@ -79,17 +82,18 @@ def test_samples_of_a_mixed_layout_model_do_not_depend_on_memory_pressure(zoo_di
 def test_triton_kernels_serve_layers_of_other_shapes(zoo_dir, name):
     """Per-layer head sizes and counts (Gemma 4; MiMo-V2-Flash, whose values are also padded to its keys'
     head size of 12 and whose heads have attention sinks; DeepSeek-V3's latent, one KV head whose values
-    are its keys) through the Triton kernels, decode graphs (captured on a GPU) included: the torch
-    backend's tokens."""
+    are its keys) through the Triton kernels, decode graphs (captured on a GPU, but for float32 MoE)
+    included: the torch backend's tokens."""
     pytest.importorskip("triton")
     path = zoo_dir(name)
     prompts = random_prompts(4, 128, (5, 30), seed=42)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
     config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")
     want = run(make_engine(path, attention_backend="torch", **config), prompts, params)
-    engine = make_engine(path, attention_backend="triton", cuda_graphs=(False, True), **config)
+    graphs = not (ON_GPU and name in FLOAT32_MOE)
+    engine = make_engine(path, attention_backend="triton", cuda_graphs=(False, graphs), **config)
     got = run(engine, prompts, params)
-    assert engine.runner.graphs.replays > 0
+    assert engine.runner.graphs.replays > 0 if graphs else engine.runner.graphs is None
     for key in want:
         assert got[key]["token_ids"] == want[key]["token_ids"]
         assert got[key]["logprobs"] == pytest.approx(want[key]["logprobs"], abs=1e-4)

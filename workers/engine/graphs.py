@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,35 +40,48 @@ logger = logging.getLogger(__name__)
 MIN_KV_BUCKET = 1024
 
 
-def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
+def resolve(config: EngineConfig) -> tuple[bool, bool]:
     """`config.cuda_graphs` as (varlen, decode), None resolved: decode graphs on CUDA (but not over the torch
-    reference attention, whose boolean indexing syncs with the host, nor for a model that cannot be
-    captured), none on the CPU. ValueError when decode graphs are asked for such a model."""
-    blocker = capture_blocker(config, model)
+    reference attention, whose boolean indexing syncs with the host), none on the CPU. A model whose decode
+    step waits on the host is found when its graphs are captured (HostSync)."""
     if config.cuda_graphs is not None:
-        if config.cuda_graphs[1] and blocker:
-            raise ValueError(f"EngineConfig.cuda_graphs={config.cuda_graphs!r}: {blocker}; use "
-                             "cuda_graphs=(False, False) or None")
         return config.cuda_graphs
-    if blocker:
-        logger.info("decode graphs off: %s", blocker)
-    return False, config.device.startswith("cuda") and config.attention_backend != "torch" and blocker is None
+    return False, config.device.startswith("cuda") and config.attention_backend != "torch"
 
 
-def capture_blocker(config: EngineConfig, model: torch.nn.Module) -> str | None:
-    """Why `model`'s decode step cannot be captured on CUDA, or None. transformers' MoE experts run
-    torch._grouped_mm, which only in bfloat16 and from compute capability 8.0 stays on the device (otherwise
-    it copies between host and device, which a capture refuses)."""
-    experts = getattr(model.config, "_experts_implementation", None)
-    if not (config.device.startswith("cuda") and experts == "grouped_mm"):
-        return None
-    if model.dtype != torch.bfloat16:
-        return (f"the MoE experts of this model run torch._grouped_mm, which in {model.dtype} copies to the "
-                "host and cannot be captured in a CUDA graph (only bfloat16 can)")
-    if torch.cuda.get_device_capability(config.device) < (8, 0):
-        return ("the MoE experts of this model need torch's grouped_mm, which needs compute capability 8.0 or "
-                "newer; on this GPU transformers runs a loop over the experts that syncs with the host")
-    return None
+class HostSync(RuntimeError):
+    """A decode step waits on the host (a data-dependent shape, a copy to or from pageable host memory),
+    which a CUDA graph capture refuses; the message names the model's line that waits."""
+
+
+def raise_on_host_sync(launch: Callable[[], None]) -> None:
+    """Run `launch` on CUDA under torch's sync debug mode, which raises at the first operation that waits
+    on the host: HostSync naming it, before a capture would fail on it (less clearly, and leaving the capture
+    stream in an error state)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launch()
+    except RuntimeError as err:
+        if "synchronizing" not in str(err):
+            raise
+        raise HostSync(host_sync_message(err)) from err
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def host_sync_message(err: BaseException) -> str:
+    """Which line of the model (the innermost frame outside torch) made the operation in `err` wait."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
+    if not frames:
+        return "the decode step waits on the host, which a CUDA graph cannot capture"
+    frame = frames[-1]
+    where = f"{Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno}"
+    where += f" ({frame.line})" if frame.line else ""
+    hint = (" (transformers' MoE experts stay on the device in bfloat16 only)"
+            if Path(frame.filename).name == "moe.py" else "")
+    return f"the decode step waits on the host at {where}{hint}, which a CUDA graph cannot capture"
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -159,12 +176,13 @@ class DecodeGraphs:
 
     def _capture(self, batch: int, meta: AttentionMetadata) -> _Graph:
         """The graph of one key: its metadata, and on CUDA its launches, after a warm-up run that compiles
-        every kernel variant of the key (the buffers hold padding only: nothing is written)."""
+        every kernel variant of the key (the buffers hold padding only: nothing is written) and raises
+        HostSync if the step waits on the host."""
         entry = _Graph(batch, meta)
         if self.runner.device.type != "cuda":
             return entry
         start = time.perf_counter()
-        self._launch(entry)
+        raise_on_host_sync(lambda: self._launch(entry))
         torch.cuda.synchronize(self.runner.device)
         self.warmup_s += time.perf_counter() - start
         entry.graph = torch.cuda.CUDAGraph()

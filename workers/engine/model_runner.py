@@ -17,7 +17,7 @@ from workers.engine import memory
 from workers.engine.attention import AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
-from workers.engine.graphs import DecodeGraphs, resolve
+from workers.engine.graphs import DecodeGraphs, HostSync, resolve
 from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_support import adapt_model, load_model, max_model_len
@@ -70,7 +70,7 @@ class ModelRunner:
             self.model = load_model(config)
         self.layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
-        self.decode_graphs = resolve(config, self.model)[1]
+        self.decode_graphs = resolve(config)[1]
         hf = self.model.config.get_text_config(decoder=True)
         self.max_model_len = max_model_len(config, hf)
         self.vocab_size = hf.vocab_size
@@ -92,7 +92,7 @@ class ModelRunner:
             self._warmup()
         if self.decode_graphs:
             with _phase(self.startup_s, "decode graphs", self.device):
-                self.graphs = DecodeGraphs(self)
+                self.graphs = self._capture_graphs()
         logger.info("engine start-up: %.2f s (%s)", sum(self.startup_s.values()),
                     ", ".join(f"{name} {s:.2f} s" for name, s in self.startup_s.items()))
 
@@ -182,16 +182,34 @@ class ModelRunner:
     def _warmup(self) -> None:
         """A two-token step through every layer, so a model our attention can't serve fails at load, and
         the kernels of prefill steps are compiled before the first; without decode graphs (which warm
-        their own), one-token steps compile each kernel variant an eager decode step can launch."""
+        their own), the eager decode kernels too."""
         try:
             self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens)))
             if not self.decode_graphs:
-                decode = self._send(profile_plan(1, 1, self.block_size, self.ring_tokens))
-                for length in self.backend.decode_warmup_lengths(self.max_model_len):
-                    decode.meta.max_seqlen_k = length
-                    self.forward(decode)
+                self._warm_decode()
         except NotImplementedError as err:
             raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
+
+    def _warm_decode(self) -> None:
+        """One-token steps that compile each kernel variant an eager decode step can launch."""
+        decode = self._send(profile_plan(1, 1, self.block_size, self.ring_tokens))
+        for length in self.backend.decode_warmup_lengths(self.max_model_len):
+            decode.meta.max_seqlen_k = length
+            self.forward(decode)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """The decode graphs; when the model's decode step waits on the host, which a capture refuses, None
+        (decode steps run eagerly, their kernels warmed) by default, and ValueError if graphs were asked for."""
+        try:
+            return DecodeGraphs(self)
+        except HostSync as err:
+            if self.config.cuda_graphs is not None:
+                raise ValueError(f"EngineConfig.cuda_graphs={self.config.cuda_graphs!r}: {err}; use "
+                                 "cuda_graphs=(False, False) or None") from err
+            logger.warning("decode graphs off: %s", err)
+            self.decode_graphs = False
+            self._warm_decode()
+            return None
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], prev: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs on the device, sent in one copy; block-table rows synced first. Placeholder
