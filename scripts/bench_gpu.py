@@ -38,7 +38,8 @@ decode: a fresh engine per variant gets --decode-seqs prompts of --decode-contex
 until every sequence decodes; then --decode-steps calls of engine.step() are timed as one block between
 two torch.cuda.synchronize() (none inside, so async batching overlaps as in a real run). The roofline is
 the bytes one step must read, every weight once (an untied input embedding excepted: a step reads one row
-per sequence) plus every sequence's KV at the block's mean length, over the card's copy bandwidth measured
+per sequence) plus every sequence's KV at the block's mean length (and, for a hybrid, every sequence's
+linear-layer states, read and written), over the card's copy bandwidth measured
 at the start of the run (1 GiB device-to-device copies, bytes read + written per second). Target: >= 60%.
 
 --window-s W time-boxes every workload run (not decode): each system generates for W seconds from its first
@@ -90,7 +91,7 @@ SMOKE = dict(device="cpu", dtype="float32", models=["tiny"], engine_extra={"kv_c
 TARGET_RATIO, TARGET_ROOFLINE = 2.0, 0.6
 CACHE = "/tmp/bench_gpu_models"
 WORKLOAD_ROW = "{:<17}{:>10}{:>15}{:>20}{:>12}{:>17}{:>11}  {}"
-DECODE_ROW = "{:<17}{:>9}{:>12}{:>12}{:>13}{:>13}  {}"
+DECODE_ROW = "{:<17}{:>9}{:>12}{:>12}{:>15}{:>13}{:>13}  {}"
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -224,12 +225,14 @@ def print_decode(model: str, rows: list[dict], copy_gbs: float) -> str:
     first = next((r for r in rows if r["status"] == "ok"), None)
     shape = f"{first['seqs']} sequences, {first['context']:.0f} tokens of context on average" if first else ""
     print(f"\n{model} / decode: {shape}; copy bandwidth {copy_gbs:.0f} GB/s")
-    print(DECODE_ROW.format("system", "ms/step", "weights GB", "KV GB/step", "roofline ms", "of roofline", "status"))
+    print(DECODE_ROW.format("system", "ms/step", "weights GB", "KV GB/step", "state GB/step", "roofline ms",
+                            "of roofline", "status"))
     for r in rows:
         if r["status"] == "ok":
-            r["roofline_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / (copy_gbs * 1e9) * 1e3
+            moved = r["weight_bytes"] + r["kv_bytes"] + r.get("state_bytes", 0)
+            r["roofline_ms"] = moved / (copy_gbs * 1e9) * 1e3
             r["roofline_share"] = r["roofline_ms"] / r["ms_per_step"]
-        gb = [fmt(r[k] / 1e9, ".2f") if k in r else "-" for k in ("weight_bytes", "kv_bytes")]
+        gb = [fmt(r[k] / 1e9, ".2f") if k in r else "-" for k in ("weight_bytes", "kv_bytes", "state_bytes")]
         share = fmt(100 * r["roofline_share"], ".0f") + "%" if "roofline_share" in r else "-"
         print(DECODE_ROW.format(r["system"], fmt(r.get("ms_per_step"), ".2f"), *gb, fmt(r.get("roofline_ms"), ".2f"),
                                 share, status(r)))

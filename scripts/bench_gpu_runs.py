@@ -34,7 +34,7 @@ MODELS = {
         num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
         tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
     # transformers' default Qwen3.5 text config: 32 layers, three Gated DeltaNet layers to one attention layer,
-    # hidden 4096 (its roofline counts the attention layers' KV, not the linear layers' state traffic)
+    # hidden 4096 (its roofline counts the attention layers' KV and the linear layers' states, read and written)
     "qwen3.5": ("Qwen3_5TextConfig", dict(vocab_size=248320, max_position_embeddings=40960, tie_word_embeddings=False)),
     "tiny": ("Qwen3Config", dict(  # --smoke only
         vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -252,7 +252,8 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     runner = engine.runner
     return {"status": "ok", "seqs": seqs, "context": context, "ms_per_step": ms, "startup_s": startup,
             "weight_bytes": weight_bytes(runner.model),
-            "kv_bytes": seqs * context * runner.bytes_per_block / BLOCK_SIZE}
+            "kv_bytes": seqs * context * runner.bytes_per_block / BLOCK_SIZE,
+            "state_bytes": 2 * seqs * runner.mixers.nbytes(1)}  # linear layers' states, read and written
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

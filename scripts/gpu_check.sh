@@ -21,11 +21,14 @@
 #   - last, every accepted model family stays exact through captured decode graphs in float32, and the MoE
 #     families in bfloat16, the one dtype their experts (torch._grouped_mm) capture in
 #     (tests/test_model_coverage.py), until GPU_CHECK_TOTAL_S (default 560) seconds since the start: the
-#     check fits one 600 s device call (on an H100, 2026-11-24, all tests with 61 families took 301 s; there
-#     are 90 families now, so the benchmark runs before them, and what the budget cut is in coverage.log).
-# Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec: copy its wheel into the
-# ignored folder .whl/ first and carry it with the device call, e.g.
-#   mkdir -p .whl && cp ../shared/wheels/msgspec-*.whl .whl/      # then run with carry [".whl"]
+#     check fits one 600 s device call (on an H200, 2026-11-26, with GPU_CHECK_BUDGET_S=330 and BENCH_GPU_ARGS=
+#     "--systems engine-on engine-off hf-default --window-s 20": the engine tests 111 s, bench_attention and
+#     bench_gpu about 165 s, all 90 families' graph tests 149 s, 424 s in all; what a budget cuts is in
+#     coverage.log).
+# Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec (and flash-linear-attention,
+# whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
+# carry it with the device call:
+#   bash scripts/gpu_wheels.sh      # then run with carry [".whl"]
 # Wheels in .whl/ are installed into /tmp/site; the project runs from the source tree, no install.
 # Usage: bash scripts/gpu_check.sh [extra pytest args]
 set -uo pipefail
