@@ -12,7 +12,7 @@
 #     (tests/test_recurrent.py), and gpt-oss's windowed layers kept in rings give the full cache's samples
 #     through the compiled kernels and captured graphs (tests/test_window_ring.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
-#     shape, then DeepSeek-V2-Lite's expanded and latent);
+#     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no
 #     run once GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began;
@@ -50,9 +50,13 @@ tests_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"
 {
     python3 scripts/bench_attention.py &&
-    # DeepSeek-V2-Lite's attention, expanded K/V against its cached latent (values the keys' first 512)
+    # 64 to 256 programs, around choose_num_splits' threshold (2 per SM): where splitting the KV pays
+    python3 scripts/bench_attention.py --seqs 8 16 32 --context 4096 &&
+    # DeepSeek-V2-Lite's attention, expanded K/V against its cached latent (values the keys' first 512); on an
+    # H200 at 256 sequences the latent's one pass beat the 2 splits the heuristic chose (593 against 751 us)
     python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&
-    python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 1 --head-dim 576 --value-dim 512
+    python3 scripts/bench_attention.py --seqs 64 128 256 --context 4096 --heads 16 --kv-heads 1 --head-dim 576 \
+        --value-dim 512
 } 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}
 gpu_rc=0
