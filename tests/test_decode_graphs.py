@@ -60,8 +60,9 @@ def test_cuda_graphs_field():
 def _waits_on_host(filename: str, inner=None):
     """A function compiled as if from `filename` that raises torch's sync debug error (or calls `inner`)."""
     scope = {"inner": inner}
-    body = "def step():\n    return inner() if inner else (_ for _ in ()).throw(RuntimeError(" \
-           "'called a synchronizing CUDA operation'))\n"
+    body = ("def step():\n"
+            "    if inner: inner()\n"
+            "    raise RuntimeError('called a synchronizing CUDA operation')\n")
     exec(compile(body, filename, "exec"), scope)
     return scope["step"]
 
