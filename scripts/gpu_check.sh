@@ -29,16 +29,22 @@
 # whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
 # carry it with the device call:
 #   bash scripts/gpu_wheels.sh      # then run with carry [".whl"]
-# Wheels in .whl/ are installed into /tmp/site; the project runs from the source tree, no install.
+# msgspec from .whl/ is installed into /tmp/site, the fla wheels into /tmp/site-fla, which only
+# tests/test_fla.py (run after the engine tests) and bench_gpu.py see: once imported, fla changes
+# transformers for the whole process (its own 'mamba' models, its kernels for CPU tensors too), so the
+# other tests run as CI does, without it. The project runs from the source tree, no install.
 # Usage: bash scripts/gpu_check.sh [extra pytest args]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+install() {  # install <folder> <wheel>...: into <folder>, printed for PYTHONPATH when there was a wheel
+    local target=$1; shift
+    [ $# = 0 ] && return
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$target" "$@" >&2 && echo ":$target"
+}
+site=$(install /tmp/site $(compgen -G ".whl/msgspec-*.whl")) || exit
+fla=$(install /tmp/site-fla $(compgen -G ".whl/fla_core-*.whl") $(compgen -G ".whl/flash_linear_attention-*.whl")) || exit
+export PYTHONPATH=$PWD$site PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers, msgspec; assert torch.cuda.is_available(), 'no CUDA device'
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__,
       'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
@@ -47,6 +53,8 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/
     tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py \
     "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
+PYTHONPATH=$PYTHONPATH$fla python3 -m pytest -q -rs -p no:cacheprovider tests/test_fla.py 2>&1 | tee "$OUT/fla.log"
+fla_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"
 {
     python3 scripts/bench_attention.py &&
@@ -63,7 +71,7 @@ gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
     # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
-    python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" --budget-s $(( budget > 0 ? budget : 0 )) \
+    PYTHONPATH=$PYTHONPATH$fla python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" --budget-s $(( budget > 0 ? budget : 0 )) \
         ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
@@ -75,5 +83,6 @@ timeout --signal=INT $(( left > 1 ? left : 1 )) python3 -m pytest -q -rs -p no:c
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16 2>&1 | tee "$OUT/coverage.log"
 coverage_rc=${PIPESTATUS[0]}
 [ "$coverage_rc" = 124 ] && echo "model coverage stopped at GPU_CHECK_TOTAL_S=${GPU_CHECK_TOTAL_S:-560} s (see coverage.log)"
-echo "pytest exit $tests_rc, bench_attention exit $bench_rc, bench_gpu exit $gpu_rc, coverage exit $coverage_rc"
-exit $((tests_rc || bench_rc || gpu_rc || (coverage_rc != 0 && coverage_rc != 124)))
+echo "pytest exit $tests_rc, test_fla exit $fla_rc, bench_attention exit $bench_rc, bench_gpu exit $gpu_rc," \
+    "coverage exit $coverage_rc"
+exit $((tests_rc || fla_rc || bench_rc || gpu_rc || (coverage_rc != 0 && coverage_rc != 124)))

@@ -4,7 +4,8 @@
 #   - flash-linear-attention and fla-core (pure Python with Triton kernels, downloaded here), which
 #     transformers runs for Gated DeltaNet layers (Qwen3.5) instead of its PyTorch reference: without them
 #     a Qwen3.5-shaped decode step took 97 ms on an H200, 6% of its memory roofline (docs/benchmarks.md).
-# gpu_check.sh installs whatever .whl/ holds. SKIP_FLA=1 leaves the fla wheels out.
+# gpu_check.sh installs msgspec for everything it runs, and the fla wheels for tests/test_fla.py and
+# bench_gpu.py only (fla changes transformers process-wide once imported). SKIP_FLA=1 leaves them out.
 set -euo pipefail
 mkdir -p .whl
 cp ../shared/wheels/msgspec-*.whl .whl/

@@ -67,7 +67,8 @@ def greedy_references(model, prompts: list[list[int]], use_cache: bool = True) -
     where its cached generate recomputes at the switch to the long factors, transformers 5.17 (the
     GPU image's) feeds the last token alone and drops the context."""
     longrope = uses_longrope(model.config)
-    outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+    outs = [model.generate(torch.tensor([p], device=model.device),
+                           attention_mask=torch.ones(1, len(p), dtype=torch.long, device=model.device),
                            max_new_tokens=MAX_NEW, do_sample=False, use_cache=use_cache and not longrope)
             for p in prompts]
     return [out[0, len(p):].tolist() for out, p in zip(outs, prompts)]
@@ -78,8 +79,8 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]
     """Logprob of each token from a forward pass over everything before it (the distribution that
     `generate` sampled it from; with LongRoPE one pass over the whole text would use other factors)."""
     ids = prompt + tokens
-    return [torch.log_softmax(model(torch.tensor([ids[:len(prompt) + j]])).logits[0, -1].double(), -1)[t].item()
-            for j, t in enumerate(tokens)]
+    return [torch.log_softmax(model(torch.tensor([ids[:len(prompt) + j]], device=model.device)).logits[0, -1]
+                              .double(), -1)[t].item() for j, t in enumerate(tokens)]
 
 
 @pytest.mark.parametrize("name", ACCEPTED)

@@ -17,11 +17,13 @@ LENGTHS = [3, 26, 40, 1, 37, 17]
 MODEL = "qwen3_5_text"
 
 
-def assert_every_sample_exact(path: str, n: int, **config) -> dict:
-    """Greedy samples of every prompt are `generate`'s tokens with a plain forward's logprobs, all `n` of
-    each (a fork's children start from the prompt's state); returns the engine's stats."""
+def assert_every_sample_exact(path: str, n: int, reference_device: str = "cpu", logprob_abs: float = 1e-4,
+                              **config) -> dict:
+    """Greedy samples of every prompt are `generate`'s tokens with a plain forward's logprobs (computed on
+    `reference_device`), all `n` of each (a fork's children start from the prompt's state); returns the
+    engine's stats."""
     prompts = prompts_of(LENGTHS)
-    model = hf_model(path)
+    model = hf_model(path).to(reference_device)
     expected = greedy_references(model, prompts)
     engine = make_engine(path, **{"block_size": 8, "max_batch_tokens": 16, "max_num_seqs": 8, **config})
     rows = run(engine, prompts, SamplingParams(n=n, temperature=0, max_new_tokens=10, logprobs_mode="raw"))
@@ -29,7 +31,7 @@ def assert_every_sample_exact(path: str, n: int, **config) -> dict:
         logprobs = forward_logprobs(model, prompt, want)
         for s in range(n):
             assert rows[(i, s)]["token_ids"] == want, f"prompt {i} sample {s}"
-            assert rows[(i, s)]["logprobs"] == pytest.approx(logprobs, abs=1e-4), f"prompt {i} sample {s}"
+            assert rows[(i, s)]["logprobs"] == pytest.approx(logprobs, abs=logprob_abs), f"prompt {i} sample {s}"
     return engine.stats()
 
 

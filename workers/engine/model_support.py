@@ -11,10 +11,12 @@ model type and the feature.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import torch
 import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from rollout.config import EngineConfig
 from workers.engine import memory
@@ -120,6 +122,19 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     return layout, mixers
 
 
+def load_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
+    """The checkpoint's config as transformers' own class for its model type, so that its model loads with
+    transformers' modelling code, the code the engine is verified against. Another package may register its
+    classes over a transformers type: flash-linear-attention does for 'mamba' and 'mamba2' once imported, and
+    transformers imports it for Gated DeltaNet layers. Remote code (`trust_remote_code`) is left as it is."""
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    own = CONFIG_MAPPING_NAMES.get(config.model_type)
+    package = type(config).__module__.partition(".")[0]
+    if own is None or package in ("transformers", "transformers_modules"):
+        return config
+    return getattr(transformers, own).from_pretrained(path)
+
+
 def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
     to the paged cache."""
@@ -128,12 +143,12 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
         raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
     trust = {"trust_remote_code": config.trust_remote_code}
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(path, **trust)
+        hf_config = load_config(path, config.trust_remote_code)
         check_config(hf_config)
         on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=memory.resolve_dtype(config, hf_config), attn_implementation=ATTN_IMPLEMENTATION,
-            **on_cuda, **trust)
+            path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config),
+            attn_implementation=ATTN_IMPLEMENTATION, **on_cuda, **trust)
     except (OSError, KeyError) as err:
         raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
     except ValueError as err:
@@ -187,17 +202,8 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     that layer's cache.
     """
     probe = _ShapeProbe()
-    device = next(model.parameters()).device
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     model_type = model.config.model_type
-    set_backend(probe)
-    try:
-        model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
-              logits_to_keep=1)
-    except NotImplementedError as err:
-        raise refuse(model_type, str(err)) from err
-    finally:
-        set_backend(None)
+    _probe_forward(model, probe)
     layers = [layer for layer, _, _ in probe.calls]
     expected = list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
     if sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
@@ -213,6 +219,35 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     owners = dict(zip(layers, _owners(probe.calls)))
     return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected),
                     values_are_keys, tuple(probe.windows.get(i) for i in expected))
+
+
+def _probe_forward(model: transformers.PreTrainedModel, probe: _ShapeProbe) -> None:
+    """A two-token forward with `probe` as the attention backend; a failure that says the model cannot be
+    served here is raised as a `ValueError` naming why."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    set_backend(probe)
+    try:
+        model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
+              logits_to_keep=1)
+    except NotImplementedError as err:
+        raise refuse(model.config.model_type, str(err)) from err
+    except Exception as err:
+        if device.type != "cpu" or not _raised_in_package(err, "fla"):
+            raise
+        raise ValueError(
+            f"model type {model.config.model_type!r} cannot run on the CPU here: flash-linear-attention is "
+            "installed, and transformers then runs its Triton kernels for the linear-attention layers on any "
+            "device, where they need a GPU; run it on CUDA, or where flash-linear-attention (fla-core) is not "
+            "installed") from err
+    finally:
+        set_backend(None)
+
+
+def _raised_in_package(err: BaseException, package: str) -> bool:
+    """Whether any frame of `err`'s traceback runs code of `package`."""
+    return any(frame.f_globals.get("__name__", "").partition(".")[0] == package
+               for frame, _ in traceback.walk_tb(err.__traceback__))
 
 
 def _leads(v: torch.Tensor, k: torch.Tensor) -> bool:

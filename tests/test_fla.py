@@ -1,0 +1,102 @@
+"""flash-linear-attention (fla) installed beside transformers: transformers then runs fla's Triton kernels for
+Gated DeltaNet layers on any device, and importing fla registers fla's own models over transformers'
+'mamba' and 'mamba2'. The engine keeps transformers' models, refuses the CPU with a clear error, and on a
+GPU gives transformers' tokens through fla's kernels.
+
+The real-fla tests run where fla is importable: scripts/gpu_check.sh runs this file with fla on the path
+(on the CPU, `PYTHONPATH=<a folder holding fla-core, flash-linear-attention and einops>` does). Importing
+fla changes transformers for the whole process, so the rest of the suite runs without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import transformers
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from tests.conftest import ON_GPU, make_engine
+from tests.test_model_coverage import assert_exact
+from tests.test_recurrent import assert_every_sample_exact
+from workers.engine import model_support
+
+HAS_FLA = importlib.util.find_spec("fla") is not None
+# the families whose linear-attention layers transformers 5.17 and later route to fla's kernels
+FLA_FAMILIES = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "kimi_linear"]
+
+
+class ThirdPartyMamba2Config(transformers.Mamba2Config):
+    """A package's own config registered over transformers' 'mamba2', as fla's is."""
+
+
+class ThirdPartyMamba2ForCausalLM(transformers.Mamba2ForCausalLM):
+    """A package's own model for it, which the engine must never run."""
+
+    config_class = ThirdPartyMamba2Config
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the third-party model ran")
+
+
+def test_a_package_registered_over_a_transformers_type_does_not_replace_its_model(zoo_dir, monkeypatch):
+    """A class registered over 'mamba2' (public `register`, undone after the test) does not reach the engine:
+    it loads transformers' config and model, and stays exact."""
+    config_mapping = transformers.models.auto.configuration_auto.CONFIG_MAPPING
+    model_mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    monkeypatch.setattr(config_mapping, "_extra_content", dict(config_mapping._extra_content))
+    monkeypatch.setattr(model_mapping, "_extra_content", dict(model_mapping._extra_content))
+    transformers.AutoConfig.register("mamba2", ThirdPartyMamba2Config, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(ThirdPartyMamba2Config, ThirdPartyMamba2ForCausalLM, exist_ok=True)
+    path = zoo_dir("mamba2")
+    assert type(transformers.AutoConfig.from_pretrained(path)) is ThirdPartyMamba2Config
+    assert type(model_support.load_config(path)) is transformers.Mamba2Config
+    engine = assert_exact(path)
+    assert type(engine.runner.model) is transformers.Mamba2ForCausalLM
+
+
+def _kernel_in_fla(*args, **kwargs):
+    raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+
+def _as_fla_code(function):
+    """`function` recompiled as if it were defined in fla (its frames' module name)."""
+    namespace = {"__name__": "fla.ops.gated_delta_rule.chunk"}
+    return type(function)(function.__code__, namespace, function.__name__)
+
+
+def test_on_the_cpu_a_layer_routed_to_fla_is_refused_naming_it(zoo_dir, monkeypatch):
+    """Where fla is installed, transformers calls its chunked kernel for CPU tensors too, and Triton fails
+    deep inside (stood in for here by a function whose frames are fla's): construction says why instead."""
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", _as_fla_code(_kernel_in_fla))
+    with pytest.raises(ValueError, match=r"'qwen3_5_text' cannot run on the CPU here: flash-linear-attention"):
+        make_engine(zoo_dir("qwen3_5_text"))
+
+
+def test_an_error_raised_elsewhere_is_not_blamed_on_fla(zoo_dir, monkeypatch):
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", _kernel_in_fla)
+    with pytest.raises(RuntimeError, match="0 active drivers"):
+        make_engine(zoo_dir("qwen3_5_text"))
+
+
+@pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention is not installed")
+@pytest.mark.parametrize("name", ["qwen3_5_text", "mamba2"])
+def test_with_fla_installed(zoo_dir, name):
+    """The real package: Qwen3.5 refused on the CPU; Mamba-2 served by transformers' model, exactly."""
+    if name == "mamba2":
+        importlib.import_module("fla")
+        assert type(transformers.AutoConfig.from_pretrained(zoo_dir(name))).__module__.startswith("fla.")
+        assert_exact(zoo_dir(name), device="cuda" if ON_GPU else "cpu")
+    else:
+        with pytest.raises(ValueError, match="cannot run on the CPU here: flash-linear-attention"):
+            make_engine(zoo_dir(name))
+
+
+@pytest.mark.skipif(not (HAS_FLA and ON_GPU), reason="needs flash-linear-attention and a CUDA GPU")
+@pytest.mark.parametrize("name", FLA_FAMILIES)
+def test_fla_kernels_give_transformers_tokens_on_a_gpu(zoo_dir, name):
+    """Engine and reference both run fla's kernels (float32, on the card): forked greedy samples, prompts
+    prefilled in chunks, batched decode steps (captured where the model allows) give `generate`'s tokens.
+    fla's chunked kernel computes some float32 products in TF32, and the engine prefills in other chunks
+    than `generate`, hence the logprob bound."""
+    assert_every_sample_exact(zoo_dir(name), n=2, device="cuda", reference_device="cuda", logprob_abs=2e-3)
