@@ -101,6 +101,19 @@ def test_graphs_off_when_the_decode_step_waits_on_the_host(model_dir, monkeypatc
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_wait_on_the_first_launch_only_is_not_a_host_waiting_step():
+    """A launch that waits once (Triton's autotuner timing a kernel's configurations, lazy set-up) can
+    still be captured; one that waits every time raises HostSync."""
+    calls, x = [], torch.ones(1, device="cuda")
+    def once():
+        calls.append(x.item() if not calls else 0)
+    graphs.raise_on_host_sync(once)
+    assert len(calls) == 2
+    with pytest.raises(graphs.HostSync, match="waits on the host"):
+        graphs.raise_on_host_sync(x.item)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_float32_moe_experts_wait_on_the_host(tmp_path):
     """transformers' MoE experts (torch._grouped_mm) stay on the device in bfloat16 only (seen on an H100,
     torch 2.11): in float32 decode graphs are refused when asked for and off by default."""

@@ -56,9 +56,11 @@ class HostSync(RuntimeError):
 
 
 def raise_on_host_sync(launch: Callable[[], None]) -> None:
-    """Run `launch` on CUDA under torch's sync debug mode, which raises at the first operation that waits
-    on the host: HostSync naming it, before a capture would fail on it (less clearly, and leaving the capture
-    stream in an error state)."""
+    """Run `launch` on CUDA twice, the second time under torch's sync debug mode, which raises at the first
+    operation that waits on the host: HostSync naming it, before a capture would fail on it (less clearly,
+    and leaving the capture stream in an error state). The first launch may wait: what a model sets up on
+    first use (a cache, a compile, an autotuner's timings) happens once, before any capture."""
+    launch()
     previous = torch.cuda.get_sync_debug_mode()
     _set_sync_debug_mode("error")
     try:
