@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--value-dim", type=int, default=None,
                         help="values are the keys' first VALUE_DIM columns, one cache plane (latent attention)")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--splits", type=int, default=8, help="KV segments of the split path")
+    parser.add_argument("--splits", type=int, nargs="+", default=[8],
+                        help="KV segments of the split path (several: a split row each)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     return parser.parse_args()
 
@@ -90,7 +91,7 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
 
     kv_cache, meta, (q, k, v), moved = decode_step(seqs, context, args)
     results = []
-    for path, forced in (("single", 1), ("split", args.splits), ("auto", None)):
+    for path, forced in (("single", 1), *(("split", n) for n in args.splits), ("auto", None)):
         backend = TritonBackend(KvCache.of(kv_cache), num_kv_splits=forced)
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)

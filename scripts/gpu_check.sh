@@ -61,10 +61,11 @@ echo "engine and kernel tests done at ${SECONDS} s"
     # 64 to 256 programs, around choose_num_splits' threshold (2 per SM): where splitting the KV pays
     python3 scripts/bench_attention.py --seqs 8 16 32 --context 4096 &&
     # DeepSeek-V2-Lite's attention, expanded K/V against its cached latent (values the keys' first 512); on an
-    # H200 at 256 sequences the latent's one pass beat the 2 splits the heuristic chose (593 against 751 us)
+    # H200 the heuristic's splits lost to 8 at 128 sequences (394 against 318 us) and to one pass or 8 at 256
+    # (754 against 593 and 598 us): every split count is timed, to retune choose_num_splits for wide heads
     python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&
     python3 scripts/bench_attention.py --seqs 64 128 256 --context 4096 --heads 16 --kv-heads 1 --head-dim 576 \
-        --value-dim 512
+        --value-dim 512 --splits 2 4 8 16
 } 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}
 gpu_rc=0
