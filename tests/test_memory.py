@@ -90,12 +90,15 @@ def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
         assert torch.equal(cache[:, :, dst], original[:, :, src])
 
 
-@pytest.mark.parametrize("cuda_graphs, phases", [((False, False), ["load", "KV cache", "warm-up"]),
-                                                 ((False, True), ["load", "KV cache", "warm-up", "decode graphs"])])
-def test_start_up_is_logged_by_phase(model_dir, caplog, cuda_graphs, phases):
-    """The engine logs its start-up once, in total and by phase (decode graphs only when built)."""
+@pytest.mark.parametrize("cuda_graphs, offload_gib, phases", [
+    ((False, False), 0, ["load", "KV cache", "warm-up"]),
+    ((False, True), 0, ["load", "KV cache", "warm-up", "decode graphs"]),
+    ((False, True), 0.01, ["load", "KV cache", "warm-up", "decode graphs", "CPU pool"])])
+def test_start_up_is_logged_by_phase(model_dir, caplog, cuda_graphs, offload_gib, phases):
+    """The engine logs its start-up once, in total and by phase (decode graphs and the CPU pool only when
+    built)."""
     with caplog.at_level(logging.INFO, logger="workers.engine.model_runner"):
-        engine = make_engine(model_dir(), cuda_graphs=cuda_graphs)
+        engine = make_engine(model_dir(), cuda_graphs=cuda_graphs, cpu_offload_gib=offload_gib)
     startup = engine.runner.startup_s
     assert list(startup) == phases and all(seconds >= 0 for seconds in startup.values())
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up")]

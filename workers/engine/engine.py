@@ -16,7 +16,7 @@ from rollout.params import SamplingParams, WeightSource, check_update, prompt_re
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, startup_phase
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.recurrent import without_prefix_caching
@@ -44,8 +44,8 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.runner.model)
         self.tokenizer = load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
-        self.cpu_pool = CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states, config.max_num_seqs,
-                                self.runner.tables.array.size) if config.cpu_offload_gib else None
+        self.cpu_pool = self._new_cpu_pool(config)
+        self.runner.log_startup()
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
                                    self.runner.rope_switch_length, self.runner.max_chunk)
         self.groups: dict[str, Group] = {}
@@ -55,6 +55,15 @@ class Engine:
         self.async_batching = on_cuda if config.async_batching is None else config.async_batching
         self.in_flight: InFlight | None = None
         self.ready: list[dict] = []  # rows of samples collected outside `step`, handed out by the next one
+
+    def _new_cpu_pool(self, config: EngineConfig) -> CpuPool | None:
+        """The pool preempted sequences are offloaded to, when configured (pinning it is a start-up phase:
+        seconds for tens of GiB)."""
+        if not config.cpu_offload_gib:
+            return None
+        with startup_phase(self.runner.startup_s, "CPU pool", self.runner.device):
+            return CpuPool(self.runner.kv_cache, config.cpu_offload_gib, self.runner.states, config.max_num_seqs,
+                           self.runner.tables.array.size)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:

@@ -48,7 +48,7 @@ class StepInputs:
 
 
 @contextmanager
-def _phase(times: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
+def startup_phase(times: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
     """Record the seconds the block takes as `times[name]`, its device work included."""
     start = time.perf_counter()
     yield
@@ -66,7 +66,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams, events, graph capture and Triton use the current device
         self.startup_s: dict[str, float] = {}
-        with _phase(self.startup_s, "load", self.device):
+        with startup_phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
         self.layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
@@ -84,15 +84,18 @@ class ModelRunner:
                               else torch.zeros_like(self.tables.host, device=self.device))
         self.graphs: DecodeGraphs | None = None
         self.states = self._new_states()
-        with _phase(self.startup_s, "KV cache", self.device):
+        with startup_phase(self.startup_s, "KV cache", self.device):
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
-        with _phase(self.startup_s, "warm-up", self.device):
+        with startup_phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if self.decode_graphs:
-            with _phase(self.startup_s, "decode graphs", self.device):
+            with startup_phase(self.startup_s, "decode graphs", self.device):
                 self.graphs = self._capture_graphs()
+
+    def log_startup(self) -> None:
+        """Log the start-up once it is complete, in total and by phase (`startup_s`)."""
         logger.info("engine start-up: %.2f s (%s)", sum(self.startup_s.values()),
                     ", ".join(f"{name} {s:.2f} s" for name, s in self.startup_s.items()))
 
