@@ -280,11 +280,12 @@ ZOO: dict[str, tuple[type, dict]] = {
 }
 
 
-def build_zoo_model(name: str, path: str | Path, seed: int = 0) -> str:
-    """Save a random-weight float32 model of zoo entry `name` into `path`; returns the path. Vectors are
-    perturbed too, so that no zero-initialised bias or gate hides what it feeds. A vision-language entry is
-    saved as its checkpoints are, vision tower included."""
+def build_zoo_model(name: str, path: str | Path, seed: int = 0, **overrides) -> str:
+    """Save a random-weight float32 model of zoo entry `name` (its config fields updated by `overrides`)
+    into `path`; returns the path. Vectors are perturbed too, so that no zero-initialised bias or gate hides
+    what it feeds. A vision-language entry is saved as its checkpoints are, vision tower included."""
     config_class, kwargs = ZOO[name]
+    kwargs = {**kwargs, **overrides}
     config = config_class(**kwargs, tie_word_embeddings=False)
     config.eos_token_id = None
     torch.manual_seed(seed)

@@ -17,13 +17,17 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from tests.conftest import ON_GPU, make_engine
+from tests.model_zoo import build_zoo_model
 from tests.test_model_coverage import assert_exact
 from tests.test_recurrent import assert_every_sample_exact
 from workers.engine import model_support
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
-# the families whose linear-attention layers transformers 5.17 and later route to fla's kernels
-FLA_FAMILIES = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "kimi_linear"]
+# the families whose linear-attention layers transformers 5.17 and later route to fla's kernels, with their
+# linear heads widened from the zoo's 8 to 32 (fla's tiles are 16 wide and more)
+_DELTA_32 = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
+FLA_FAMILIES = {"qwen3_5_text": _DELTA_32, "qwen3_next": _DELTA_32, "olmo_hybrid": _DELTA_32,
+                "kimi_linear": {"linear_head_dim": 32}}
 
 
 class ThirdPartyMamba2Config(transformers.Mamba2Config):
@@ -93,10 +97,11 @@ def test_with_fla_installed(zoo_dir, name):
 
 
 @pytest.mark.skipif(not (HAS_FLA and ON_GPU), reason="needs flash-linear-attention and a CUDA GPU")
-@pytest.mark.parametrize("name", FLA_FAMILIES)
-def test_fla_kernels_give_transformers_tokens_on_a_gpu(zoo_dir, name):
+@pytest.mark.parametrize("name", sorted(FLA_FAMILIES))
+def test_fla_kernels_give_transformers_tokens_on_a_gpu(tmp_path, name):
     """Engine and reference both run fla's kernels (float32, on the card): forked greedy samples, prompts
     prefilled in chunks, batched decode steps (captured where the model allows) give `generate`'s tokens.
     fla's chunked kernel computes some float32 products in TF32, and the engine prefills in other chunks
     than `generate`, hence the logprob bound."""
-    assert_every_sample_exact(zoo_dir(name), n=2, device="cuda", reference_device="cuda", logprob_abs=2e-3)
+    path = build_zoo_model(name, tmp_path, **FLA_FAMILIES[name])
+    assert_every_sample_exact(path, n=2, device="cuda", reference_device="cuda", logprob_abs=2e-3)
