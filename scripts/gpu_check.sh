@@ -10,7 +10,11 @@
 #     gives the torch backend's tokens through the Triton kernels and graphs (tests/test_kv_cache.py), and a
 #     linear-attention hybrid's per-sequence state survives forks, preemption and graph padding on the GPU
 #     (tests/test_recurrent.py), and gpt-oss's windowed layers kept in rings give the full cache's samples
-#     through the compiled kernels and captured graphs (tests/test_window_ring.py);
+#     through the compiled kernels and captured graphs (tests/test_window_ring.py), and decode graphs replay
+#     as eager steps do, and are refused naming the line for a step that waits on the host every time
+#     (tests/test_decode_graphs.py);
+#   - tests/test_fla.py with flash-linear-attention on the path (below): hybrids through fla's kernels on the
+#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
 #     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
@@ -50,7 +54,7 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
       'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
-    tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py \
+    tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py tests/test_decode_graphs.py \
     "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 PYTHONPATH=$PYTHONPATH$fla python3 -m pytest -q -rs -p no:cacheprovider tests/test_fla.py 2>&1 | tee "$OUT/fla.log"
