@@ -79,11 +79,13 @@ def test_a_repeated_prompt_is_computed_again_not_taken_from_the_prefix_cache(zoo
 
 
 def test_state_slots_have_each_layers_shapes(zoo_dir):
-    """One slot per block-table row and a spare; Qwen3.5's Gated DeltaNet layer (layer 0) keeps a window of
-    4 inputs of q, k and v (2 x 2 heads x 8 + 4 heads x 8) and a 4-head 8 x 8 state, in float32."""
+    """One slot per block-table row, one for padding rows and one kept zero; Qwen3.5's Gated DeltaNet layer
+    (layer 0) keeps a window of 4 inputs of q, k and v (2 x 2 heads x 8 + 4 heads x 8) and a 4-head 8 x 8
+    state, in float32."""
     runner = make_engine(zoo_dir(MODEL), max_num_seqs=5).runner
     shapes = {key: tuple(t.shape) for key, t in runner.states.tensors.items()}
-    assert shapes == {(0, "conv", 0): (6, 64, 4), (0, "recurrent", 0): (6, 4, 8, 8)}
+    assert shapes == {(0, "conv", 0): (7, 64, 4), (0, "recurrent", 0): (7, 4, 8, 8)}
+    assert (runner.states.pad_slot, runner.states.zero_slot) == (5, 6)
     assert runner.layout.shapes[0] is None and runner.kv_cache.layers[0] is None
     assert runner.states.tensors[(0, "recurrent", 0)].dtype == torch.float32
 
@@ -126,3 +128,13 @@ def test_a_model_without_attention_keeps_only_a_placeholder_kv(zoo_dir):
     assert runner.layout.shapes == ((1, 1), None) and runner.bytes_per_block == 2 * 8 * 4
     assert runner.max_model_len == 32768
     assert make_engine(zoo_dir("mamba2"), block_size=8, num_blocks=16, max_model_len=100).max_model_len == 100
+
+
+def test_a_written_zero_slot_fails_the_integrity_check(zoo_dir):
+    """Rows starting afresh read the zero slot, so the engine's integrity check asserts nothing wrote it."""
+    engine = make_engine(zoo_dir(MODEL), max_num_seqs=2)
+    engine.check_integrity()
+    states = engine.runner.states
+    states.tensors[(0, "recurrent", 0)][states.zero_slot, 0, 0, 0] = 1.0
+    with pytest.raises(AssertionError, match=r"zero state slot was written: \[\(0, 'recurrent', 0\)\]"):
+        engine.check_integrity()

@@ -313,9 +313,11 @@ class Engine:
                 "cpu_blocks_used": cpu.num_used if cpu else 0}
 
     def check_integrity(self) -> None:
-        """Assert that block accounting balances and the block tables are exact (tests call this
-        after every step; it holds with a step in flight too)."""
+        """Assert that block accounting balances, the block tables are exact and the zero state slot is
+        zero (tests call this after every step; it holds with a step in flight too)."""
         self.scheduler.check_integrity()
+        if self.runner.states is not None:
+            self.runner.states.check_integrity()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; KV already computed is never matched again."""

@@ -147,8 +147,8 @@ class DecodeGraphs:
         # windowed layers' rings (window_ring.py): padding tokens write nowhere, padding rows read ring 0
         self.ring_slots = torch.full_like(self.ids, -1) if runner.ring_blocks else None
         self.ring_table = torch.zeros_like(self.block_table) if runner.ring_blocks else None
-        # recurrent-state slots (recurrent.py); padding rows take the spare last one
-        self.pad_row = None if runner.states is None else runner.states.num_slots - 1
+        # recurrent-state slots (recurrent.py); padding rows take the spare one
+        self.pad_row = None if runner.states is None else runner.states.pad_slot
         self.rows = None if runner.states is None else torch.full_like(self.ids, self.pad_row)
         self.logits: torch.Tensor | None = None
         self.graphs: dict[tuple[int, ...], _Graph] = {}

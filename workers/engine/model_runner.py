@@ -119,10 +119,11 @@ class ModelRunner:
         return KvCache.allocate(self.layout, num_blocks, self.block_size, self.model.dtype, self.device, rings)
 
     def _new_states(self) -> StateCache | None:
-        """The per-row state (recurrent layers' states, windowed layers' rings): a slot per block-table row and
-        one for a decode graph's padding rows. The recurrent states are allocated before the KV budget is
-        measured (on CUDA their memory then counts against it), the rings once it is (they come out of it)."""
-        slots = self.config.max_num_seqs + 1
+        """The per-row state (recurrent layers' states, windowed layers' rings): a slot per block-table row, one
+        for a decode graph's padding rows and, with recurrent layers, one kept zero (`StateCache`). The
+        recurrent states are allocated before the KV budget is measured (on CUDA their memory then counts
+        against it), the rings once it is (they come out of it)."""
+        slots = self.config.max_num_seqs + 1 + bool(self.mixers.layout)
         rings = ring_state_layout(self.layout, self.ring_blocks, self.block_size, self.model.dtype)
         try:
             states = self.mixers.allocate(slots, self.device, rings)

@@ -36,21 +36,21 @@ class SlotView:
     """transformers' linear-attention cache calls, answered for the slots `rows` of the state tensors.
 
     `fresh` (a bool, or a `[rows]` bool tensor): which rows start from zero state. Reads gather the
-    rows once; writes stay local until `flush`, since a mixer may update a state it read in place.
+    rows once (a fresh row gathers the zero slot instead: no pass over the gathered states to clear it);
+    writes stay local until `flush`, since a mixer may update a state it read in place.
     """
 
     def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor) -> None:
         self.states, self.rows, self.fresh = states, rows, fresh
         self.local: dict[StateKey, torch.Tensor] = {}
+        self.sources = (torch.where(fresh, states.zero_slot, rows)
+                        if isinstance(fresh, torch.Tensor) and states is not None else rows)
 
     def _read(self, key: StateKey) -> torch.Tensor | None:
         if key not in self.local:
             if self.fresh is True or self.states is None:
                 return None
-            slots = self.states.tensors[key].index_select(0, self.rows)
-            if isinstance(self.fresh, torch.Tensor):
-                slots = torch.where(self.fresh.view(-1, *[1] * (slots.dim() - 1)), 0, slots)
-            self.local[key] = slots
+            self.local[key] = self.states.tensors[key].index_select(0, self.sources)
         return self.local[key]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -134,13 +134,23 @@ class _States:
 
 
 class StateCache:
-    """One `[slots, ...]` tensor per (mixer layer, state kind, state index), zeroed."""
+    """One `[slots, ...]` tensor per (mixer layer, state kind, state index), zeroed. The last slot, or with
+    `zero_slot` the last two, belong to no row: `pad_slot` takes a decode graph's padding rows, and
+    `zero_slot`, never written, is what a mixer's row starting afresh reads."""
 
     def __init__(self, layout: dict[StateKey, tuple[torch.Size, torch.dtype]], slots: int,
-                 device: torch.device) -> None:
+                 device: torch.device, zero_slot: bool = False) -> None:
         self.tensors = {key: torch.zeros(slots, *shape, dtype=dtype, device=device)
                         for key, (shape, dtype) in layout.items()}
         self.num_slots = slots
+        self.zero_slot = slots - 1 if zero_slot else None
+        self.pad_slot = slots - 1 - zero_slot
+
+    def check_integrity(self) -> None:
+        """Assert that the zero slot is still zero (a device sync)."""
+        if self.zero_slot is not None:
+            dirty = [key for key, t in self.tensors.items() if t[self.zero_slot].any()]
+            assert not dirty, f"the zero state slot was written: {dirty}"
 
     @property
     def nbytes(self) -> int:
@@ -180,7 +190,7 @@ class Mixers:
         """The state slots of the mixers and of `extra` (other per-row state: windowed layers' rings,
         window_ring.py), when there is any."""
         layout = {**self.layout, **(extra or {})}
-        self.states = StateCache(layout, slots, device) if layout else None
+        self.states = StateCache(layout, slots, device, zero_slot=bool(self.layout)) if layout else None
         return self.states
 
     def _wrap(self, forward: Callable, cache_arg: str) -> Callable:
