@@ -123,10 +123,10 @@ class ModelRunner:
         for a decode graph's padding rows and, with recurrent layers, one kept zero (`StateCache`). The
         recurrent states are allocated before the KV budget is measured (on CUDA their memory then counts
         against it), the rings once it is (they come out of it)."""
-        slots = self.config.max_num_seqs + 1 + bool(self.mixers.layout)
+        rows, slots = self.config.max_num_seqs, self.mixers.num_slots(self.config.max_num_seqs)
         rings = ring_state_layout(self.layout, self.ring_blocks, self.block_size, self.model.dtype)
         try:
-            states = self.mixers.allocate(slots, self.device, rings)
+            states = self.mixers.allocate(rows, self.device, rings)
         except torch.OutOfMemoryError as err:
             raise ValueError(f"the per-sequence state of max_num_seqs={self.config.max_num_seqs} sequences "
                              f"({self.mixers.nbytes(slots, rings) / 2**30:.2f} GiB) does not fit on {self.device}: "

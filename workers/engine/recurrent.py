@@ -185,12 +185,18 @@ class Mixers:
         layout = {**self.layout, **(extra or {})}
         return slots * sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
 
-    def allocate(self, slots: int, device: torch.device,
+    def num_slots(self, rows: int) -> int:
+        """State slots for `rows` block-table rows: one each, one for a decode graph's padding rows and, when
+        there are mixers, one kept zero (`StateCache`)."""
+        return rows + 1 + bool(self.layout)
+
+    def allocate(self, rows: int, device: torch.device,
                  extra: dict[StateKey, tuple[torch.Size, torch.dtype]] | None = None) -> StateCache | None:
-        """The state slots of the mixers and of `extra` (other per-row state: windowed layers' rings,
-        window_ring.py), when there is any."""
+        """The state slots of `rows` block-table rows for the mixers and `extra` (other per-row state:
+        windowed layers' rings, window_ring.py), when there is any."""
         layout = {**self.layout, **(extra or {})}
-        self.states = StateCache(layout, slots, device, zero_slot=bool(self.layout)) if layout else None
+        self.states = (StateCache(layout, self.num_slots(rows), device, zero_slot=bool(self.layout))
+                       if layout else None)
         return self.states
 
     def _wrap(self, forward: Callable, cache_arg: str) -> Callable:
