@@ -41,6 +41,8 @@ the bytes one step must read, every weight once (an untied input embedding excep
 per sequence) plus every sequence's KV at the block's mean length (and, for a hybrid, every sequence's
 linear-layer states, read and written), over the card's copy bandwidth measured
 at the start of the run (1 GiB device-to-device copies, bytes read + written per second). Target: >= 60%.
+--profile-decode K then profiles 8 more steps and prints the K kernels taking most device time
+(scripts/bench_profile.py).
 
 --window-s W time-boxes every workload run (not decode): each system generates for W seconds from its first
 request, then stops; tokens/s counts every token made by then, finished samples or not (the engine aborts
@@ -81,6 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_hf as hf  # noqa: E402
 import bench_gpu_runs as runs  # noqa: E402
 from bench_gpu_runs import ENGINE_SYSTEMS, HF_SYSTEMS, MODELS, WORKLOADS  # noqa: E402
+from bench_profile import print_profile  # noqa: E402
 
 SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS
 ITEMS = ("decode", *WORKLOADS)
@@ -110,6 +113,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-seqs", type=int, default=256, help="sequences of the decode probe (default 256)")
     parser.add_argument("--decode-context", type=int, default=1024, help="their prompt length (default 1024)")
     parser.add_argument("--decode-steps", type=int, default=32, help="decode steps timed (default 32)")
+    parser.add_argument("--profile-decode", type=int, default=0, metavar="K",
+                        help="after the decode probe's timed steps, profile 8 more and print the K kernels that "
+                             "take most device time per step, and how busy the device is (default 0: off)")
     parser.add_argument("--budget-s", type=float, help="start no run after this many seconds (default: no limit)")
     parser.add_argument("--window-s", type=float,
                         help="time-box every workload run: stop after this many seconds of generation and count "
@@ -133,6 +139,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("offload_gib", "decode_seqs", "decode_context", "decode_steps", "hf_timeout_s", "window_s"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+    if args.profile_decode < 0:
+        parser.error(f"--profile-decode={args.profile_decode} must be >= 0")
     items = args.workloads or DEFAULTS["workloads"]
     args.workloads = list(ITEMS) if "all" in items else list(dict.fromkeys(items))
     args.models = args.models or DEFAULTS["models"]
@@ -290,6 +298,7 @@ def main() -> None:
                     bar.update()
             line = (print_decode(model, rows, state["copy_gbs"]) if item == "decode"
                     else print_workload(model, item, rows, args))
+            print_profile(rows)
             state["runs"] += rows
             state["targets"].append(line)
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_profile import PROFILE_STEPS, profile_steps
 from tqdm.auto import tqdm
 
 from rollout import SamplingParams
@@ -223,7 +224,7 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     seqs, steps = args.decode_seqs, args.decode_steps
     batch = max(EngineConfig(model=str(path)).max_batch_tokens, 4 * seqs)
     # the first prompts decode while the last are prefilled (at >= batch - seqs prompt tokens a step)
-    grow = -(-seqs * args.decode_context // (batch - seqs)) + steps + 16
+    grow = -(-seqs * args.decode_context // (batch - seqs)) + steps + PROFILE_STEPS + 16
     config = EngineConfig(model=str(path), device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                           max_num_seqs=seqs, max_batch_tokens=batch, max_model_len=args.decode_context + grow,
                           **args.engine_extra, **options)
@@ -250,8 +251,9 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     if len(sched.running) != seqs or sum(engine.stats()[k] for k in ("offloads", "recomputes")) != preempted:
         return {"status": "failed: the batch changed during the timed steps"}
     runner = engine.runner
+    profile = profile_steps(engine.step, args.device, args.profile_decode) if args.profile_decode else None
     return {"status": "ok", "seqs": seqs, "context": context, "ms_per_step": ms, "startup_s": startup,
-            "weight_bytes": weight_bytes(runner.model),
+            "profile": profile, "weight_bytes": weight_bytes(runner.model),
             "kv_bytes": seqs * context * runner.bytes_per_block / BLOCK_SIZE,
             "state_bytes": 2 * seqs * runner.mixers.nbytes(1)}  # linear layers' states, read and written
 

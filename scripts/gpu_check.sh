@@ -18,7 +18,8 @@
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
 #     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
-#     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json). It starts no
+#     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
+#     that take most of a decode step's device time (scripts/bench_profile.py). It starts no
 #     run once GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began;
 #     BENCH_GPU_ARGS adds or replaces its options (e.g. "--workloads rollouts_2048"), SKIP_BENCH_GPU=1
 #     leaves it out. The random models are saved once under $BENCH_GPU_CACHE (default /tmp/bench_gpu_models);
@@ -78,7 +79,7 @@ if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
     # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
     PYTHONPATH=$PYTHONPATH$fla python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" --budget-s $(( budget > 0 ? budget : 0 )) \
-        ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+        --profile-decode 15 ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
 # every model family through captured decode graphs, last: stopped at GPU_CHECK_TOTAL_S (SIGINT, so pytest

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rollout.config import EngineConfig
@@ -47,7 +48,7 @@ def tables(stdout: str) -> dict[str, tuple[str, dict[str, str]]]:
 def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
     results = tmp_path / "bench.json"
     proc = bench(tmp_path, "--smoke", "--no-progress", "--json", str(results),
-                 "--workloads", "decode", "multi_return_seq", "few_blocks", "rollouts_1024")
+                 "--workloads", "decode", "multi_return_seq", "few_blocks", "rollouts_1024", "--profile-decode", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     printed = tables(proc.stdout)
     assert list(printed) == ["decode", "multi_return_seq", "few_blocks", "rollouts_1024"]
@@ -65,6 +66,10 @@ def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
         if run["workload"] == "decode":
             assert run["seqs"] == 16 and run["context"] > 32 and run["ms_per_step"] > 0
             assert 0 < run["roofline_share"] == run["roofline_ms"] / run["ms_per_step"]
+            profile = run["profile"]  # aten operators on the CPU, the busiest first
+            assert len(profile["kernels"]) == 3 and profile["kernels"][0][1] >= profile["kernels"][-1][1] > 0
+            assert sum(ms for _, ms, _ in profile["kernels"]) <= profile["busy_ms_per_step"]
+            assert f"{run['system']}: the device is busy" in proc.stdout
         else:
             prompts, n, new = map(int, SIZES.search(printed[run["workload"]][0]).groups())
             assert run["tokens"] == prompts * n * new, run
@@ -73,10 +78,11 @@ def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
                 assert sum(run["startup_phases_s"].values()) < run["startup_s"]
 
 
-def test_a_bad_workload_is_refused_before_any_work(tmp_path):
+@pytest.mark.parametrize("option", [("--workloads", "rollouts_999"), ("--profile-decode", "-1")])
+def test_a_bad_option_is_refused_before_any_work(tmp_path, option):
     results = tmp_path / "bench.json"
-    proc = bench(tmp_path, "--smoke", "--workloads", "rollouts_999", "--json", str(results))
-    assert proc.returncode == 2 and "rollouts_999" in proc.stderr
+    proc = bench(tmp_path, "--smoke", *option, "--json", str(results))
+    assert proc.returncode == 2 and option[1] in proc.stderr
     assert not results.exists() and not (tmp_path / "models").exists()
 
 
