@@ -39,14 +39,14 @@ ARCH_OVERRIDES = {
 
 @pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory):
-    """`zoo_dir(name, seed=0)` -> directory of the tiny random model of `tests.model_zoo` entry `name`,
-    built once per session."""
+    """`zoo_dir(name, seed=0, **overrides)` -> directory of the tiny random model of `tests.model_zoo` entry
+    `name` (its config fields updated by `overrides`), built once per session."""
 
     @functools.cache
-    def build(name: str, seed: int = 0) -> str:
+    def build(name: str, seed: int = 0, **overrides) -> str:
         if ZOO[name][0] is None:
             pytest.skip(f"transformers {transformers.__version__} has no config class for {name!r}")
-        return build_zoo_model(name, tmp_path_factory.mktemp(name), seed)
+        return build_zoo_model(name, tmp_path_factory.mktemp(name), seed, **overrides)
 
     return build
 

@@ -126,12 +126,8 @@ def check_rows(paths: tuple[str, str], driver: Driver) -> None:
                 assert (row["token_ids"], row["finish_reason"]) == (want["token_ids"], want["finish_reason"])
 
 
-@pytest.mark.timeout(300)
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(arch=st.sampled_from(["qwen3", "mistral", "gemma2"]), config=configs, schedule=events)
-def test_random_interleavings_equal_solo_runs(model_dir, arch, config, schedule):
-    """Also on sliding-window models (windows of 24 and 16 tokens; gemma2 with its logit softcap)."""
-    paths = (model_dir(arch), model_dir(arch, seed=1))
+def drive(paths: tuple[str, str], config: dict, schedule: list[tuple[int, str, int]]) -> None:
+    """Apply `schedule` to an engine of `config`, step it to the end and check every sample and the weights."""
     driver = Driver(paths, dict(config))
     for steps, what, target in schedule:
         for _ in range(steps):
@@ -145,3 +141,20 @@ def test_random_interleavings_equal_solo_runs(model_dir, arch, config, schedule)
     check_rows(paths, driver)
     want = driver.policies[driver.engine.policy_version % 2]
     torch.testing.assert_close(driver.engine.state_dict(), want, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(arch=st.sampled_from(["qwen3", "mistral", "gemma2"]), config=configs, schedule=events)
+def test_random_interleavings_equal_solo_runs(model_dir, arch, config, schedule):
+    """Also on sliding-window models (windows of 24 and 16 tokens; gemma2 with its logit softcap)."""
+    drive((model_dir(arch), model_dir(arch, seed=1)), config, schedule)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["qwen3_5_text", "mamba2", "gpt_oss"]), config=configs, schedule=events)
+def test_random_interleavings_keep_per_sequence_state(zoo_dir, name, config, schedule):
+    """The same on models with a state per sequence, kept in slots that forks copy, preemption offloads and
+    rows reuse: a Gated DeltaNet hybrid, Mamba-2 (no attention) and gpt-oss (windowed layers in rings)."""
+    drive((zoo_dir(name, vocab_size=512), zoo_dir(name, seed=1, vocab_size=512)), config, schedule)
