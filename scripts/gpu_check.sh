@@ -9,7 +9,8 @@
 #     one KV head whose values are its keys' first columns; DeepSeek's own widths in test_triton_kernels)
 #     gives the torch backend's tokens through the Triton kernels and graphs (tests/test_kv_cache.py), and a
 #     linear-attention hybrid's per-sequence state survives forks, preemption and graph padding on the GPU
-#     (tests/test_recurrent.py), and gpt-oss's windowed layers kept in rings give the full cache's samples
+#     (tests/test_recurrent.py), also where the Gated DeltaNet decode kernel updates it in its slot
+#     (tests/test_delta_rule.py: the kernel against transformers' rule, compiled), and gpt-oss's windowed layers kept in rings give the full cache's samples
 #     through the compiled kernels and captured graphs (tests/test_window_ring.py), and decode graphs replay
 #     as eager steps do, and are refused naming the line for a step that waits on the host every time
 #     (tests/test_decode_graphs.py);
@@ -17,6 +18,7 @@
 #     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
 #     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
+#     scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's);
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
 #     that take most of a decode step's device time (scripts/bench_profile.py). It starts no
@@ -56,7 +58,8 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
     tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py tests/test_decode_graphs.py \
-    "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 | tee "$OUT/tests.log"
+    tests/test_delta_rule.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 |
+    tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 PYTHONPATH=$PYTHONPATH$fla python3 -m pytest -q -rs -p no:cacheprovider tests/test_fla.py 2>&1 | tee "$OUT/fla.log"
 fla_rc=${PIPESTATUS[0]}
@@ -74,6 +77,9 @@ echo "engine and kernel tests done at ${SECONDS} s"
         --value-dim 512 --splits 2 4 8 16
 } 2>&1 | tee "$OUT/bench_attention.log"
 bench_rc=${PIPESTATUS[0]}
+# Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
+PYTHONPATH=$PYTHONPATH$fla python3 scripts/bench_delta_rule.py 2>&1 | tee "$OUT/bench_delta_rule.log"
+bench_rc=$((bench_rc || PIPESTATUS[0]))
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))

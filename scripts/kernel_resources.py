@@ -1,5 +1,5 @@
-"""Compile the Triton attention kernels for NVIDIA GPUs without one; print each kernel's registers,
-stack (spilled) bytes and shared memory.
+"""Compile the Triton attention kernels (and the Gated DeltaNet decode) for NVIDIA GPUs without one; print
+each kernel's registers, stack (spilled) bytes and shared memory.
 
 Triton's compiler and the ptxas it bundles need no GPU: a stand-in driver names the target
 architecture, and `TritonBackend.forward` then compiles, without running, every kernel it launches
@@ -25,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+from workers.engine import delta_rule_kernel
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.triton_backend import TritonBackend
@@ -48,6 +49,9 @@ LATENT_V_DIM = {"deepseek-v2-lite-latent": 512, "deepseek-v3-latent": 512}
 # path: (query tokens per sequence, forced KV splits)
 PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}
 KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+# Gated DeltaNet decode in place (path "decode" only): key heads, value heads, key and value head widths
+DELTA_MODELS = {"qwen3.5-delta": (16, 32, 128, 128)}  # Qwen3.5's and Qwen3-Next's linear layers
+DELTA_KERNELS = ("_gated_delta_decode_kernel",)
 ROW = "{:>5} {:>9} {:>11} {:>7} {:>24} {:>5} {:>6} {:>8}"
 
 
@@ -113,18 +117,31 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
                     torch.zeros(heads, dtype=dtype) if sinks else None)
 
 
+def compile_delta_rule(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+    """One Gated DeltaNet layer's in-place decode of two rows (delta_rule_kernel.py), compiled only: q, k, v
+    in `dtype`, the states in float32 as transformers keeps them."""
+    kv_heads, heads, head_k, head_v = DELTA_MODELS[model]
+    q = torch.zeros(2, 1, kv_heads, head_k, dtype=dtype)
+    v, gates = torch.zeros(2, 1, heads, head_v, dtype=dtype), torch.zeros(2, 1, heads)
+    rows = torch.arange(2)
+    delta_rule_kernel.gated_delta_decode(q, q, v, gates, gates.to(dtype), torch.zeros(3, heads, head_k, head_v),
+                                         rows, rows, True)
+
+
 def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
     """Compile one step's kernels for `arch` (launches replaced by compiles) and print a row each."""
-    kernels = {name: getattr(triton_kernels, name) for name in KERNELS}
+    module, names, step = ((delta_rule_kernel, DELTA_KERNELS, compile_delta_rule) if model in DELTA_MODELS
+                           else (triton_kernels, KERNELS, compile_step))
+    kernels = {name: getattr(module, name) for name in names}
     compiled: dict = {}
     driver.set_active(TargetDriver(arch))
     try:
         for name, kernel in kernels.items():
-            setattr(triton_kernels, name, CompileOnly(kernel, compiled))
-        compile_step(model, path, getattr(torch, dtype), compiled)
+            setattr(module, name, CompileOnly(kernel, compiled))
+        step(model, path, getattr(torch, dtype), compiled)
     finally:
         for name, kernel in kernels.items():
-            setattr(triton_kernels, name, kernel)
+            setattr(module, name, kernel)
     for name, kernel in compiled.values():
         usage = resource_usage(kernel.asm["cubin"])
         print(ROW.format(f"sm_{arch}", dtype, model, path, name.strip("_"), usage["REG"],
@@ -137,13 +154,15 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capability")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
                         choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="model shapes")
+    parser.add_argument("--models", nargs="+", default=[*MODELS, *DELTA_MODELS], choices=[*MODELS, *DELTA_MODELS],
+                        help="model shapes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     print(ROW.format("arch", "dtype", "model", "path", "kernel", "regs", "stack", "smem"))
-    for arch, dtype, model, path in itertools.product(args.arch, args.dtype, args.models, PATHS):
-        compile_and_report(arch, dtype, model, path)
+    for arch, dtype, model in itertools.product(args.arch, args.dtype, args.models):
+        for path in ["decode"] if model in DELTA_MODELS else PATHS:
+            compile_and_report(arch, dtype, model, path)
 
 
 if __name__ == "__main__":

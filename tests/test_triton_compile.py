@@ -1,6 +1,6 @@
-"""The Triton kernels compile for real GPUs without one: every launch TritonBackend makes, for
-Ampere (sm_80) and Hopper (sm_90), in bfloat16 and float16, through Triton's compiler and the ptxas
-it bundles (scripts/kernel_resources.py, run in a process without TRITON_INTERPRET). This covers
+"""The Triton kernels compile for real GPUs without one: every launch TritonBackend makes, and the Gated
+DeltaNet decode's, for Ampere (sm_80) and Hopper (sm_90), in bfloat16 and float16, through Triton's compiler
+and the ptxas it bundles (scripts/kernel_resources.py, run in a process without TRITON_INTERPRET). This covers
 what the interpreter cannot: code generation, bfloat16, the compiled launch options."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ HAS_NVIDIA_BACKEND = (Path(triton.__file__).parent / "backends" / "nvidia" / "bi
 
 
 def script_constants():
-    """MODELS and PATHS of the script, the shapes it compiles."""
+    """MODELS, PATHS and DELTA_MODELS of the script, the shapes it compiles."""
     spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.MODELS, module.PATHS
+    return module.MODELS, module.PATHS, module.DELTA_MODELS
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton build has no NVIDIA backend")
@@ -41,9 +41,12 @@ def test_kernels_compile_for_ampere_and_hopper() -> None:
     compiled: dict[tuple, set[str]] = {}
     for arch, dtype, model, path, kernel, *_ in rows:
         compiled.setdefault((arch, dtype, model, path), set()).add(kernel)
-    models, paths = script_constants()
-    for arch, dtype, model, path in itertools.product(("sm_80", "sm_90"), ("bfloat16", "float16"), models, paths):
-        split = {"merge_splits_kernel"} if path == "split" else set()
-        expected = {"store_kv_kernel", "paged_attention_kernel"} | split
-        assert compiled[(arch, dtype, model, path)] == expected, (arch, dtype, model, path)
+    models, paths, delta_models = script_constants()
+    for arch, dtype in itertools.product(("sm_80", "sm_90"), ("bfloat16", "float16")):
+        for model, path in itertools.product(models, paths):
+            split = {"merge_splits_kernel"} if path == "split" else set()
+            expected = {"store_kv_kernel", "paged_attention_kernel"} | split
+            assert compiled[(arch, dtype, model, path)] == expected, (arch, dtype, model, path)
+        for model in delta_models:
+            assert compiled[(arch, dtype, model, "decode")] == {"gated_delta_decode_kernel"}, (arch, dtype, model)
     assert all(int(regs) > 0 for *_, regs, _stack, _smem in rows)

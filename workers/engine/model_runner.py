@@ -88,6 +88,7 @@ class ModelRunner:
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
+        self.mixers.in_place = self.device.type == "cuda" or self.backend.runs_triton  # delta_rule.py
         with startup_phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if self.decode_graphs:

@@ -22,6 +22,7 @@ import torch
 
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionMetadata, current_metadata
+from workers.engine.delta_rule import SlotState, install_in_place_rule
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +38,24 @@ class SlotView:
 
     `fresh` (a bool, or a `[rows]` bool tensor): which rows start from zero state. Reads gather the
     rows once (a fresh row gathers the zero slot instead: no pass over the gathered states to clear it);
-    writes stay local until `flush`, since a mixer may update a state it read in place.
+    writes stay local until `flush`, since a mixer may update a state it read in place. In a decode call
+    (`in_place`: one token per row) the recurrent states of layers that decode through the gated delta rule
+    are not gathered: they read as a `SlotState`, which the rule updates in the slots (delta_rule.py).
     """
 
-    def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor) -> None:
-        self.states, self.rows, self.fresh = states, rows, fresh
+    def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor,
+                 in_place: frozenset[int] = frozenset()) -> None:
+        self.states, self.rows, self.fresh, self.in_place = states, rows, fresh, in_place
         self.local: dict[StateKey, torch.Tensor] = {}
         self.sources = (torch.where(fresh, states.zero_slot, rows)
                         if isinstance(fresh, torch.Tensor) and states is not None else rows)
 
-    def _read(self, key: StateKey) -> torch.Tensor | None:
+    def _read(self, key: StateKey) -> torch.Tensor | SlotState | None:
         if key not in self.local:
             if self.fresh is True or self.states is None:
                 return None
+            if key[0] in self.in_place and key[1] == "recurrent":
+                return SlotState(self.states.tensors[key], self.sources, self.rows)
             self.local[key] = self.states.tensors[key].index_select(0, self.sources)
         return self.local[key]
 
@@ -57,7 +63,7 @@ class SlotView:
         """The rows' convolution windows (None when they start afresh)."""
         return self._read((layer_idx, "conv", state_idx))
 
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | SlotState | None:
         """The rows' recurrent states (None when they start afresh)."""
         return self._read((layer_idx, "recurrent", state_idx))
 
@@ -81,8 +87,9 @@ class SlotView:
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
-        """Keep the rows' new recurrent states."""
-        self.local[(layer_idx, "recurrent", state_idx)] = recurrent_states
+        """Keep the rows' new recurrent states (a `SlotState`: already in their slots)."""
+        if not isinstance(recurrent_states, SlotState):
+            self.local[(layer_idx, "recurrent", state_idx)] = recurrent_states
         return recurrent_states
 
     def is_recording_past(self, layer_idx: int) -> bool:
@@ -129,7 +136,7 @@ class _States:
     def __init__(self, view: SlotView, layer: int, kind: str) -> None:
         self.view, self.layer, self.kind = view, layer, kind
 
-    def __getitem__(self, state_idx: int) -> torch.Tensor | None:
+    def __getitem__(self, state_idx: int) -> torch.Tensor | SlotState | None:
         return self.view._read((self.layer, self.kind, state_idx))
 
 
@@ -172,6 +179,8 @@ class Mixers:
     def __init__(self, model: torch.nn.Module, stepwise: bool = False) -> None:
         self.stepwise = stepwise
         self.layers: list[int] = []
+        self.delta_rule_layers: frozenset[int] = frozenset()  # those decoding through the gated delta rule
+        self.in_place = False  # whether their decode calls update the states in their slots (Triton runs here)
         self.layout: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
         self.states: StateCache | None = None
         for module in model.modules():
@@ -179,6 +188,8 @@ class Mixers:
             if name is not None:
                 self.layers.append(module.layer_idx)
                 module.forward = self._wrap(module.forward, name)
+                if install_in_place_rule(type(module)):
+                    self.delta_rule_layers |= {module.layer_idx}
 
     def nbytes(self, slots: int, extra: dict[StateKey, tuple[torch.Size, torch.dtype]] | None = None) -> int:
         """Bytes `slots` slots of every state take (with `extra`'s)."""
@@ -217,21 +228,23 @@ class Mixers:
              kwargs: dict) -> torch.Tensor:
         """The mixer over a packed step `[1, T, D]`: a decode step's sequences in one call (the batch being
         the sequences), else each run of one-token sequences in one call and each longer chunk alone."""
-        def call(x: torch.Tensor, rows: torch.Tensor, fresh: bool | torch.Tensor) -> torch.Tensor:
-            view = SlotView(self.states, rows, fresh)
+        in_place = self.delta_rule_layers if self.in_place else frozenset()
+
+        def call(x: torch.Tensor, rows: torch.Tensor, fresh: bool | torch.Tensor, decode: bool = False) -> torch.Tensor:
+            view = SlotView(self.states, rows, fresh, in_place if decode else frozenset())
             out = forward(x, **kwargs, **{cache_arg: view})
             view.flush()
             return out
 
         if meta.max_seqlen_q == 1:
-            return call(hidden.transpose(0, 1), meta.rows, meta.seq_lens <= 1).transpose(0, 1)
+            return call(hidden.transpose(0, 1), meta.rows, meta.seq_lens <= 1, decode=True).transpose(0, 1)
         cu, seq_lens = meta.host_cu_seqlens_q, meta.host_seq_lens
         outs = []
         for a, b in _segments(cu):
             rows, x = meta.rows[a:b], hidden[:, cu[a]:cu[b]]
             fresh = bool(seq_lens[a] == cu[b] - cu[a])
             if cu[b] - cu[a] == b - a:  # one token each: the batch is the sequences
-                outs.append(call(x.transpose(0, 1), rows, meta.seq_lens[a:b] <= 1).transpose(0, 1))
+                outs.append(call(x.transpose(0, 1), rows, meta.seq_lens[a:b] <= 1, decode=True).transpose(0, 1))
             elif self.stepwise and not fresh:
                 outs += [call(x[:, i:i + 1], rows, False) for i in range(x.shape[1])]
             else:

@@ -48,7 +48,10 @@ class AttentionBackend:
     """Writes the new K/V of a step into the paged cache and attends over each sequence's blocks.
 
     `kv_cache.layers[i]` is layer i's `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    `runs_triton`: whether its kernels are Triton's (so other Triton kernels run here too, interpreted on the CPU).
     """
+
+    runs_triton = False
 
     def __init__(self, kv_cache: KvCache) -> None:
         self.kv_cache = kv_cache

@@ -62,6 +62,8 @@ class TritonBackend(AttentionBackend):
     head), learned from the first forward (the engine's warm-up); until then the cache's KV heads.
     """
 
+    runs_triton = True
+
     def __init__(self, kv_cache: KvCache, num_kv_splits: int | None = None) -> None:
         super().__init__(kv_cache)
         if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):

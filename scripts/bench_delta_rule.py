@@ -1,0 +1,110 @@
+"""GPU benchmark of a Gated DeltaNet layer's decode: the engine's in-place kernel against transformers' rule.
+
+One decode token for each of --rows sequences, one layer shaped like Qwen3.5's linear-attention layers by
+default (16 key heads, 32 value heads, head width 128: a 2 MiB float32 state per sequence), the rows'
+states in slots scattered at random over a slot tensor, as in the engine. Three ways, in one run:
+  in place  workers/engine/delta_rule_kernel.py: each state read from its slot and written back, once
+  gathered  the engine's way before it: the rows' states gathered, transformers' rule, the new states
+            written back to the slots
+  rule      transformers' rule alone on states already in one batch tensor (no slots)
+transformers' rule is fla's fused kernel when flash-linear-attention is installed, else its PyTorch
+reference (named in the header). GB/s counts the states' bytes read and written once, the least a decode
+must move; the last column is each output's largest difference from the in-place kernel's.
+
+Usage: python scripts/bench_delta_rule.py [--rows 64 256] [--kv-heads 16] [--heads 32] [--head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from bench_gpu_runs import copy_bandwidth
+
+from workers.engine.delta_rule import InPlaceRule
+
+ROW = "{:>6} {:>10} {:>11} {:>8} {:>8} {:>12}"
+
+
+def parse_args() -> argparse.Namespace:
+    """The rows to run and the layer's shape."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256], help="sequences decoding (default 64 256)")
+    parser.add_argument("--kv-heads", type=int, default=16, help="key heads (default 16)")
+    parser.add_argument("--heads", type=int, default=32, help="value heads (default 32)")
+    parser.add_argument("--head-dim", type=int, default=128, help="key and value head width (default 128)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="q, k, v dtype; the states are float32 (default bfloat16)")
+    return parser.parse_args()
+
+
+def transformers_rule():
+    """Qwen3.5's decode rule as transformers resolved it (fla's kernel when installed), unwrapped."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+    rule = qwen3_5.torch_recurrent_gated_delta_rule
+    return rule.rule if isinstance(rule, InPlaceRule) else rule
+
+
+def step_inputs(rows: int, args: argparse.Namespace, dev: str = "cuda") -> dict:
+    """q, k, v, g, beta of one token per row, the state slots and where each row's state lives."""
+    dtype, dim = getattr(torch, args.dtype), args.head_dim
+    slots = torch.randperm(rows + 2, device=dev)[:rows]
+    return dict(q=torch.randn(rows, 1, args.kv_heads, dim, dtype=dtype, device=dev),
+                k=torch.randn(rows, 1, args.kv_heads, dim, dtype=dtype, device=dev),
+                v=torch.randn(rows, 1, args.heads, dim, dtype=dtype, device=dev),
+                g=-torch.rand(rows, 1, args.heads, device=dev), beta=torch.rand(rows, 1, args.heads, device=dev),
+                state=torch.randn(rows + 2, args.heads, dim, dim, device=dev) * 0.1, slots=slots)
+
+
+def ways(x: dict, rule) -> dict:
+    """The three ways, each a call returning the output."""
+    from workers.engine.delta_rule_kernel import gated_delta_decode
+    group = x["v"].shape[2] // x["q"].shape[2]
+    q, k = (x[name].repeat_interleave(group, 2) for name in ("q", "k"))  # what every rule version accepts
+    batch = x["state"].index_select(0, x["slots"])
+    call = dict(g=x["g"], beta=x["beta"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    def gathered():
+        out, new = rule(q, k, x["v"], initial_state=x["state"].index_select(0, x["slots"]), **call)
+        x["state"].index_copy_(0, x["slots"], new.to(x["state"].dtype))
+        return out
+
+    return {"in place": lambda: gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
+                                                   x["slots"], x["slots"], True),
+            "gathered": gathered, "rule": lambda: rule(q, k, x["v"], initial_state=batch, **call)[0]}
+
+
+def first_outputs(x: dict, calls: dict) -> dict:
+    """Each way's output from the same states (the slots restored after each call)."""
+    saved, outs = x["state"].clone(), {}
+    for name, call in calls.items():
+        outs[name] = call().float()
+        x["state"].copy_(saved)
+    return outs
+
+
+def main() -> None:
+    """Check for a GPU, measure the copy bandwidth, print a row per rows x way."""
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_delta_rule.py needs a CUDA GPU; on the CPU the kernel is tested (tests/test_delta_rule.py)")
+    from triton.testing import do_bench
+    copy_gbs, rule = copy_bandwidth("cuda"), transformers_rule()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s; {args.kv_heads} key heads, "
+          f"{args.heads} value heads, width {args.head_dim}, {args.dtype}; transformers' rule: {rule.__module__}")
+    print(ROW.format("rows", "way", "time (us)", "GB/s", "of copy", "diff"))
+    for rows in args.rows:
+        x = step_inputs(rows, args)
+        moved = 2 * rows * x["state"][0].numel() * 4
+        calls, want = ways(x, rule), None
+        for name, out in first_outputs(x, calls).items():
+            want = out if want is None else want
+            ms = do_bench(calls[name], return_mode="median")
+            gbs = moved / ms / 1e6
+            print(ROW.format(rows, name, f"{ms * 1e3:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}",
+                             f"{(out - want).abs().max().item():.1e}"))
+
+
+if __name__ == "__main__":
+    main()

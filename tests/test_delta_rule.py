@@ -1,0 +1,102 @@
+"""The in-place Gated DeltaNet decode (workers/engine/delta_rule.py): the kernel equals transformers' own rule
+on gathered states, writes only the rows' slots, and the engine's hybrids stay exact through it (forks,
+preemption, padded decode graphs), on a GPU compiled and on the CPU under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers.models.mamba2.modeling_mamba2 as mamba2
+import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+from tests.conftest import ON_GPU
+from tests.test_recurrent import MODEL, assert_every_sample_exact
+from workers.engine import delta_rule
+from workers.engine.delta_rule import InPlaceRule, SlotState, install_in_place_rule
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton needs CUDA or its interpreter")
+DEVICE = "cuda" if ON_GPU else "cpu"
+SLOTS, ZERO = 8, 7
+
+
+def rule() -> InPlaceRule:
+    """transformers' rule as Qwen3.5's layers call it in an engine's process: wrapped."""
+    install_in_place_rule(qwen3_5.Qwen3_5GatedDeltaNet)
+    return qwen3_5.torch_recurrent_gated_delta_rule
+
+
+def inputs(kv_heads: int, heads: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k `[5, 1, kv_heads, 16]`, v `[5, 1, heads, 40]`, g, beta `[5, 1, heads]` and states `[8, heads, 16, 40]`
+    (slot 7 zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(5, 1, kv_heads, 16, generator=gen) for _ in range(2))
+    v = torch.randn(5, 1, heads, 40, generator=gen)
+    g, beta = -torch.rand(5, 1, heads, generator=gen), torch.rand(5, 1, heads, generator=gen)
+    states = torch.randn(SLOTS, heads, 16, 40, generator=gen)
+    states[ZERO] = 0
+    return tuple(x.to(DEVICE) for x in (q, k, v, g, beta, states))
+
+
+@pytest.mark.parametrize("kv_heads, heads", [(2, 4), (4, 4)], ids=["grouped", "equal"])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_the_kernel_equals_the_rule_on_gathered_states(kv_heads, heads, l2norm):
+    """Rows 0-4 live in slots 3, 0, 5, 1, 6; rows 1 and 4 start afresh (they read the zero slot)."""
+    q, k, v, g, beta, states = inputs(kv_heads, heads)
+    rows = torch.tensor([3, 0, 5, 1, 6], device=DEVICE)
+    sources = torch.tensor([3, ZERO, 5, 1, ZERO], device=DEVICE)
+    group = heads // kv_heads
+    want_out, want_states = rule()(q.repeat_interleave(group, 2), k.repeat_interleave(group, 2), v, g=g, beta=beta,
+                                   initial_state=states[sources], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=l2norm)
+    before = states.clone()
+    out, handle = rule()(q, k, v, g=g, beta=beta, initial_state=SlotState(states, sources, rows),
+                         output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    assert isinstance(handle, SlotState)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[rows], want_states, rtol=1e-5, atol=1e-5)
+    untouched = [s for s in range(SLOTS) if s not in rows.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+
+
+def test_a_call_the_kernel_does_not_know_takes_the_rules_own_path(caplog):
+    """An unknown argument: the states are gathered for the rule, which returns new ones; no slot is written,
+    and the lost saving is logged."""
+    q, k, v, g, beta, states = inputs(4, 4)
+    rows = torch.arange(5, device=DEVICE)
+    before = states.clone()
+    calls = []
+
+    def own_rule(*args, initial_state, **kwargs):
+        calls.append(kwargs)
+        return args[2], initial_state + 1
+
+    out, new = InPlaceRule(own_rule)(q, k, v, g=g, beta=beta, initial_state=SlotState(states, rows, rows),
+                                     output_final_state=True, scale=0.5)
+    assert calls[0]["scale"] == 0.5 and out is v
+    assert torch.equal(new, before[:5] + 1) and torch.equal(states, before)
+    assert "('scale',) unknown" in caplog.text
+
+
+def test_only_layers_that_call_the_rule_get_it_wrapped():
+    assert install_in_place_rule(qwen3_5.Qwen3_5GatedDeltaNet)
+    wrapped = qwen3_5.torch_recurrent_gated_delta_rule
+    assert isinstance(wrapped, InPlaceRule) and install_in_place_rule(qwen3_5.Qwen3_5GatedDeltaNet)
+    assert qwen3_5.torch_recurrent_gated_delta_rule is wrapped  # once
+    assert not install_in_place_rule(mamba2.Mamba2Mixer)
+
+
+def test_a_hybrid_decodes_its_states_in_place_and_stays_exact(zoo_dir, monkeypatch):
+    """Greedy samples equal `generate`'s with a plain forward's logprobs, through forks, padded decode graphs
+    and preemption (a sequence's state goes to the CPU pool and back into whatever slot it gets)."""
+    from workers.engine import delta_rule_kernel
+    launches = []
+    kernel = delta_rule_kernel.gated_delta_decode
+    monkeypatch.setattr(delta_rule_kernel, "gated_delta_decode", lambda *a: launches.append(1) or kernel(*a))
+    stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, reference_device=DEVICE, attention_backend="triton",
+                                      cuda_graphs=(False, True), device=DEVICE, num_blocks=12, cpu_offload_gib=0.5)
+    assert launches and stats["restores"] > 0
+    assert delta_rule.RULE in qwen3_5.__dict__
