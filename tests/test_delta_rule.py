@@ -90,13 +90,15 @@ def test_only_layers_that_call_the_rule_get_it_wrapped():
 
 
 def test_a_hybrid_decodes_its_states_in_place_and_stays_exact(zoo_dir, monkeypatch):
-    """Greedy samples equal `generate`'s with a plain forward's logprobs, through forks, padded decode graphs
-    and preemption (a sequence's state goes to the CPU pool and back into whatever slot it gets)."""
+    """Greedy samples equal `generate`'s with a plain forward's logprobs, through forks, padded decode graphs,
+    async batching and preemption (a sequence's state goes to the CPU pool and back into whatever slot it
+    gets). tests/test_engine_triton.py runs the same layers in place without async batching."""
     from workers.engine import delta_rule_kernel
     launches = []
     kernel = delta_rule_kernel.gated_delta_decode
     monkeypatch.setattr(delta_rule_kernel, "gated_delta_decode", lambda *a: launches.append(1) or kernel(*a))
     stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, reference_device=DEVICE, attention_backend="triton",
-                                      cuda_graphs=(False, True), device=DEVICE, num_blocks=12, cpu_offload_gib=0.5)
+                                      cuda_graphs=(False, True), async_batching=True, device=DEVICE, num_blocks=12,
+                                      cpu_offload_gib=0.5)
     assert launches and stats["restores"] > 0
     assert delta_rule.RULE in qwen3_5.__dict__
