@@ -13,13 +13,15 @@ import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
 from tests.conftest import ON_GPU
 from tests.test_recurrent import MODEL, assert_every_sample_exact
-from workers.engine import delta_rule
 from workers.engine.delta_rule import InPlaceRule, SlotState, install_in_place_rule
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton needs CUDA or its interpreter")
 DEVICE = "cuda" if ON_GPU else "cpu"
+# families whose layers call transformers' gated delta rule: all five on a GPU, three under the interpreter
+# (Qwen3.5; OLMo hybrid, with its own projections and doubled beta; Qwen3-Next, whose MoE flags reach the rule)
+DELTA_FAMILIES = [MODEL, "olmo_hybrid", "qwen3_next"] + (["qwen3_5_moe_text", "lara_mini"] if ON_GPU else [])
 SLOTS, ZERO = 8, 7
 
 
@@ -89,16 +91,17 @@ def test_only_layers_that_call_the_rule_get_it_wrapped():
     assert not install_in_place_rule(mamba2.Mamba2Mixer)
 
 
-def test_a_hybrid_decodes_its_states_in_place_and_stays_exact(zoo_dir, monkeypatch):
-    """Greedy samples equal `generate`'s with a plain forward's logprobs, through forks, padded decode graphs,
-    async batching and preemption (a sequence's state goes to the CPU pool and back into whatever slot it
-    gets). tests/test_engine_triton.py runs the same layers in place without async batching."""
+@pytest.mark.parametrize("name", DELTA_FAMILIES)
+def test_a_hybrid_decodes_its_states_in_place_and_stays_exact(zoo_dir, monkeypatch, name):
+    """Greedy samples equal `generate`'s with a plain forward's logprobs, through forks, async batching and
+    preemption (a sequence's state goes to the CPU pool and back into whatever slot it gets), and for Qwen3.5
+    padded decode graphs (the MoE families take the engine's default there: eager in float32 on a GPU).
+    tests/test_engine_triton.py runs Qwen3.5's layers in place without async batching."""
     from workers.engine import delta_rule_kernel
     launches = []
     kernel = delta_rule_kernel.gated_delta_decode
     monkeypatch.setattr(delta_rule_kernel, "gated_delta_decode", lambda *a: launches.append(1) or kernel(*a))
-    stats = assert_every_sample_exact(zoo_dir(MODEL), n=2, reference_device=DEVICE, attention_backend="triton",
-                                      cuda_graphs=(False, True), async_batching=True, device=DEVICE, num_blocks=12,
-                                      cpu_offload_gib=0.5)
+    stats = assert_every_sample_exact(zoo_dir(name), n=2, reference_device=DEVICE, attention_backend="triton",
+                                      cuda_graphs=(False, True) if name == MODEL else None, async_batching=True,
+                                      device=DEVICE, num_blocks=12, cpu_offload_gib=0.5)
     assert launches and stats["restores"] > 0
-    assert delta_rule.RULE in qwen3_5.__dict__
