@@ -53,7 +53,8 @@ def step_inputs(rows: int, args: argparse.Namespace, dev: str = "cuda") -> dict:
     return dict(q=torch.randn(rows, 1, args.kv_heads, dim, dtype=dtype, device=dev),
                 k=torch.randn(rows, 1, args.kv_heads, dim, dtype=dtype, device=dev),
                 v=torch.randn(rows, 1, args.heads, dim, dtype=dtype, device=dev),
-                g=-torch.rand(rows, 1, args.heads, device=dev), beta=torch.rand(rows, 1, args.heads, device=dev),
+                g=-torch.rand(rows, 1, args.heads, device=dev),  # as the layers pass them
+                beta=torch.rand(rows, 1, args.heads, dtype=dtype, device=dev),
                 state=torch.randn(rows + 2, args.heads, dim, dim, device=dev) * 0.1, slots=slots)
 
 
