@@ -105,3 +105,16 @@ def test_a_window_cuts_every_system_and_counts_the_unfinished_tokens(tmp_path, m
         assert f"cut at the 1 s window: {row['tokens']} of {long.tokens} tokens, 0 of 4 samples" in row["note"]
     target = bench_gpu.print_workload("tiny", "long", rows, args)
     assert "(hf-default)" in target and target.endswith(", over a 1 s window)"), target
+
+
+def test_a_profiler_failure_keeps_the_probe_and_says_why(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_profile
+
+    def step():
+        raise RuntimeError("CUPTI unavailable")
+
+    profile = bench_profile.profile_steps(step, "cpu", top=3)
+    assert profile == {"error": "RuntimeError: CUPTI unavailable"}
+    bench_profile.print_profile([{"system": "engine-on", "ms_per_step": 1.0, "profile": profile}])
+    assert "engine-on: no kernel profile (RuntimeError: CUPTI unavailable)" in capsys.readouterr().out
