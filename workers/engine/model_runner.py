@@ -3,6 +3,7 @@ packed forward (a decode graph's replay when one serves the step) and one sampli
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from contextlib import contextmanager
@@ -88,7 +89,8 @@ class ModelRunner:
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
-        self.mixers.in_place = self.device.type == "cuda" or self.backend.runs_triton  # delta_rule.py
+        cuda_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.mixers.in_place = cuda_triton or self.backend.runs_triton  # where delta_rule.py's kernel runs
         with startup_phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if self.decode_graphs:
