@@ -1,17 +1,19 @@
 """GPU decode benchmark of the Triton paged-attention backend: time per call and achieved memory
 bandwidth, against the device's own copy bandwidth measured first.
 
-Decode steps (one new token per sequence) at 64 and 256 sequences of 1k and 8k cached tokens, one
-layer shaped like Llama-3-8B by default (32 query heads, 8 KV heads, head_dim 128, bfloat16,
-block_size 16), every sequence's blocks scattered at random over the cache. A call is the backend's
-`forward`: the K/V store of the new tokens plus attention. Bytes counted: the cached K/V read, the
-block table, q read, the new k/v read and stored, the output written. Each shape runs the
-single-pass path, the split-KV path and the backend's own choice ("auto"). The peer in the same run
-is torch's `scaled_dot_product_attention` (its fused FlashAttention / memory-efficient kernels) over
-the same keys held densely, `[seqs, kv_heads, context, head_dim]`: no block table, no K/V store, so it
-is the speed a paged kernel aims at, not a like-for-like call. `--value-dim` makes the values the keys'
-first columns, one cache plane read once: multi-head latent attention cached as its latent
-(`--heads 128 --kv-heads 1 --head-dim 576 --value-dim 512` is DeepSeek-V3's shape).
+Decode steps (one new token per sequence) at 64 and 256 sequences of 1k and 8k cached tokens, one layer
+shaped like Llama-3-8B by default (32 query heads, 8 KV heads, head_dim 128, bfloat16, block_size 16), every
+sequence's blocks scattered at random over the cache. A call is the backend's `forward`: the K/V store of
+the new tokens plus attention. Bytes counted: the cached K/V read, the block table, q read, the new k/v read
+and stored, the output written. Each shape runs the single-pass path, the split-KV path and the backend's
+own choice ("auto"), each timed replayed from a CUDA graph (the device time, as the engine's decode graphs
+run it; GB/s from it) and launched eagerly (device time plus whatever host launch time the device waits for:
+scripts/gpu_timing.py). The peer in the same run is torch's `scaled_dot_product_attention` (its fused
+FlashAttention / memory-efficient kernels) over the same keys held densely, `[seqs, kv_heads, context,
+head_dim]`: no block table, no K/V store, so it is the speed a paged kernel aims at, not a like-for-like
+call. `--value-dim` makes the values the keys' first columns, one cache plane read once: multi-head latent
+attention cached as its latent (`--heads 128 --kv-heads 1 --head-dim 576 --value-dim 512` is DeepSeek-V3's
+shape).
 
 Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16] [--value-dim V]
 """
@@ -24,11 +26,12 @@ import sys
 
 import torch
 from bench_gpu_runs import copy_bandwidth
+from gpu_timing import eager_ms, graph_ms
 
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.kv_cache import KvCache
 
-ROW = "{:>6} {:>8} {:>8} {:>7} {:>11} {:>9} {:>8} {:>12}"
+ROW = "{:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>9} {:>8} {:>12}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,8 +86,7 @@ def sdpa_peer(kv_cache: torch.Tensor, meta: AttentionMetadata, q: torch.Tensor, 
                              enable_gqa=True)
 
 
-def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: float,
-                do_bench) -> None:
+def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: float) -> None:
     """Time the single-pass, split and heuristic paths and the sdpa peer for one shape; a row each,
     with the largest difference of each output from the peer's."""
     from workers.engine.attention.triton_backend import TritonBackend
@@ -95,15 +97,18 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
         backend = TritonBackend(KvCache.of(kv_cache), num_kv_splits=forced)
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
-        results.append((path, backend.num_splits, do_bench(step, return_mode="median"), step()))
+        results.append((path, backend.num_splits, step(), step))
     peer = sdpa_peer(kv_cache, meta, q, v.shape[-1])  # after the stores above, so it sees the new tokens too
     want = peer().view(*q.shape[:2], v.shape[-1])
-    results.append(("sdpa", "-", do_bench(peer, return_mode="median"), want))
-    for path, splits, ms, out in results:
-        gbs = moved / ms / 1e6
+    results.append(("sdpa", "-", want, peer))
+    for path, splits, out, call in results:
+        (graph, why), eager = graph_ms(call), eager_ms(call)
+        gbs = moved / (graph or eager) / 1e6
         diff = (out.float() - want.float()).abs().max().item()
-        print(ROW.format(seqs, context, path, splits, f"{ms * 1e3:.1f}", f"{gbs:.0f}",
-                         f"{100 * gbs / copy_gbs:.0f}%", f"{diff:.1e}"))
+        print(ROW.format(seqs, context, path, splits, f"{graph * 1e3:.1f}" if graph else "-", f"{eager * 1e3:.1f}",
+                         f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%", f"{diff:.1e}"))
+        if why:
+            print(f"    no graph for {path}: {why}")
 
 
 def main() -> None:
@@ -113,7 +118,7 @@ def main() -> None:
         sys.exit("bench_attention.py needs a CUDA GPU: torch.cuda.is_available() is False here. "
                  "On CPU the kernels are only tested (tests/test_triton_kernels.py, interpreted).")
     try:
-        from triton.testing import do_bench
+        import triton  # noqa: F401
     except ImportError as err:
         sys.exit(f"bench_attention.py needs Triton ({err}); install it with `pip install triton`")
     copy_gbs = copy_bandwidth("cuda")
@@ -121,10 +126,11 @@ def main() -> None:
           f"{args.heads} q heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
           f"{f'values the first {args.value_dim} of the keys, ' if args.value_dim else ''}"
           f"{args.dtype}, block_size {args.block_size}")
-    print(ROW.format("seqs", "context", "path", "splits", "time (us)", "GB/s", "of copy", "diff vs sdpa"))
+    print(ROW.format("seqs", "context", "path", "splits", "graph (us)", "eager (us)", "GB/s", "of copy",
+                     "diff vs sdpa"))
     for seqs in args.seqs:
         for context in args.context:
-            bench_shape(seqs, context, args, copy_gbs, do_bench)
+            bench_shape(seqs, context, args, copy_gbs)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ states in slots scattered at random over a slot tensor, as in the engine. Three 
             written back to the slots
   rule      transformers' rule alone on states already in one batch tensor (no slots)
 transformers' rule is fla's fused kernel when flash-linear-attention is installed, else its PyTorch
-reference (named in the header). GB/s counts the states' bytes read and written once, the least a decode
-must move; the last column is each output's largest difference from the in-place kernel's.
+reference (named in the header). Each way is timed replayed from a CUDA graph (the device time, as in the
+engine's decode graphs) and launched eagerly (scripts/gpu_timing.py). GB/s, from the graph's time, counts
+the states' bytes read and written once, the least a decode must move; the last column is each output's
+largest difference from the in-place kernel's.
 
 Usage: python scripts/bench_delta_rule.py [--rows 64 256] [--kv-heads 16] [--heads 32] [--head-dim 128]
 """
@@ -21,10 +23,11 @@ import sys
 
 import torch
 from bench_gpu_runs import copy_bandwidth
+from gpu_timing import eager_ms, graph_ms
 
 from workers.engine.delta_rule import InPlaceRule
 
-ROW = "{:>6} {:>10} {:>11} {:>8} {:>8} {:>12}"
+ROW = "{:>6} {:>10} {:>10} {:>10} {:>8} {:>8} {:>12}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,21 +93,22 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_delta_rule.py needs a CUDA GPU; on the CPU the kernel is tested (tests/test_delta_rule.py)")
-    from triton.testing import do_bench
     copy_gbs, rule = copy_bandwidth("cuda"), transformers_rule()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s; {args.kv_heads} key heads, "
           f"{args.heads} value heads, width {args.head_dim}, {args.dtype}; transformers' rule: {rule.__module__}")
-    print(ROW.format("rows", "way", "time (us)", "GB/s", "of copy", "diff"))
+    print(ROW.format("rows", "way", "graph (us)", "eager (us)", "GB/s", "of copy", "diff"))
     for rows in args.rows:
         x = step_inputs(rows, args)
         moved = 2 * rows * x["state"][0].numel() * 4
         calls, want = ways(x, rule), None
         for name, out in first_outputs(x, calls).items():
             want = out if want is None else want
-            ms = do_bench(calls[name], return_mode="median")
-            gbs = moved / ms / 1e6
-            print(ROW.format(rows, name, f"{ms * 1e3:.1f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}",
-                             f"{(out - want).abs().max().item():.1e}"))
+            (graph, why), eager = graph_ms(calls[name]), eager_ms(calls[name])
+            gbs = moved / (graph or eager) / 1e6
+            print(ROW.format(rows, name, f"{graph * 1e3:.1f}" if graph else "-", f"{eager * 1e3:.1f}", f"{gbs:.0f}",
+                             f"{gbs / copy_gbs:.0%}", f"{(out - want).abs().max().item():.1e}"))
+            if why:
+                print(f"    no graph for {name}: {why}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ echo "engine and kernel tests done at ${SECONDS} s"
 {
     python3 scripts/bench_attention.py &&
     # 64 to 256 programs, around choose_num_splits' threshold (2 per SM): where splitting the KV pays (on an
-    # H200 at 8 sequences sdpa took half the time of the heuristic's 8 splits: do 16 close the gap?)
+    # H200 at 8 sequences sdpa took half the eager time of the heuristic's 8 splits: do graph replays, or 16
+    # splits, close the gap?)
     python3 scripts/bench_attention.py --seqs 8 16 32 --context 4096 --splits 4 8 16 &&
     # DeepSeek-V2-Lite's attention, expanded K/V against its cached latent (values the keys' first 512); on an
     # H200 the heuristic's splits lost to 8 at 128 sequences (394 against 318 us) and to one pass or 8 at 256
