@@ -26,7 +26,7 @@ import sys
 
 import torch
 from bench_gpu_runs import copy_bandwidth
-from gpu_timing import eager_ms, graph_ms
+from gpu_timing import time_call
 
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.kv_cache import KvCache
@@ -102,13 +102,13 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
     want = peer().view(*q.shape[:2], v.shape[-1])
     results.append(("sdpa", "-", want, peer))
     for path, splits, out, call in results:
-        (graph, why), eager = graph_ms(call), eager_ms(call)
-        gbs = moved / (graph or eager) / 1e6
+        timed = time_call(call)
+        gbs = moved / timed.ms / 1e6
         diff = (out.float() - want.float()).abs().max().item()
-        print(ROW.format(seqs, context, path, splits, f"{graph * 1e3:.1f}" if graph else "-", f"{eager * 1e3:.1f}",
-                         f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%", f"{diff:.1e}"))
-        if why:
-            print(f"    no graph for {path}: {why}")
+        print(ROW.format(seqs, context, path, splits, *timed.cells(), f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.0f}%",
+                         f"{diff:.1e}"))
+        if note := timed.note(path):
+            print(note)
 
 
 def main() -> None:

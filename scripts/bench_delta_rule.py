@@ -23,7 +23,7 @@ import sys
 
 import torch
 from bench_gpu_runs import copy_bandwidth
-from gpu_timing import eager_ms, graph_ms
+from gpu_timing import time_call
 
 from workers.engine.delta_rule import InPlaceRule
 
@@ -103,12 +103,12 @@ def main() -> None:
         calls, want = ways(x, rule), None
         for name, out in first_outputs(x, calls).items():
             want = out if want is None else want
-            (graph, why), eager = graph_ms(calls[name]), eager_ms(calls[name])
-            gbs = moved / (graph or eager) / 1e6
-            print(ROW.format(rows, name, f"{graph * 1e3:.1f}" if graph else "-", f"{eager * 1e3:.1f}", f"{gbs:.0f}",
-                             f"{gbs / copy_gbs:.0%}", f"{(out - want).abs().max().item():.1e}"))
-            if why:
-                print(f"    no graph for {name}: {why}")
+            timed = time_call(calls[name])
+            gbs = moved / timed.ms / 1e6
+            print(ROW.format(rows, name, *timed.cells(), f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}",
+                             f"{(out - want).abs().max().item():.1e}"))
+            if note := timed.note(name):
+                print(note)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ engine's decode graphs run it.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -18,6 +18,33 @@ from workers.engine.graphs import HostSync, raise_on_host_sync
 
 FLUSH_BYTES = 256 * 2**20  # more than any card's L2 (50 MiB on an H100), as Triton's do_bench flushes
 REP_MS = 100.0
+
+
+class Timed(NamedTuple):
+    """A call's median ms replayed from a graph (None when it cannot be captured, `why` saying so) and eager."""
+
+    graph: float | None
+    eager: float
+    why: str
+
+    @property
+    def ms(self) -> float:
+        """The graph's time where there is one (the device time), else the eager one."""
+        return self.eager if self.graph is None else self.graph
+
+    def cells(self) -> tuple[str, str]:
+        """The two times in us for a table row, "-" for no graph."""
+        return ("-" if self.graph is None else f"{self.graph * 1e3:.1f}"), f"{self.eager * 1e3:.1f}"
+
+    def note(self, label: str) -> str | None:
+        """A line saying why `label` has no graph time, or None."""
+        return f"    no graph for {label}: {self.why}" if self.why else None
+
+
+def time_call(call: Callable[[], object]) -> Timed:
+    """`call` timed both ways."""
+    graph, why = graph_ms(call)
+    return Timed(graph, eager_ms(call), why)
 
 
 def eager_ms(call: Callable[[], object]) -> float:
