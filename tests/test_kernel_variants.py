@@ -27,6 +27,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+if hasattr(BaseBackend, "compute_spec_key"):  # Triton 3.2, torch 2.6's
+    pytest.skip("this Triton keys launches through a backend instance, not the API Recorder calls",
+                allow_module_level=True)
+
 from workers.engine.attention import AttentionMetadata, triton_kernels  # noqa: E402
 from workers.engine.staging import Staging  # noqa: E402
 

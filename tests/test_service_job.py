@@ -80,7 +80,8 @@ def ray_head():
     Afterwards every process below the head is ended by its PID."""
     port, dashboard = free_port(), free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": uuid.uuid4().hex}
+           "RAY_AUTH_TOKEN": uuid.uuid4().hex,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}  # this venv's ray
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",

@@ -18,8 +18,10 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The group's TCP store, served by this process on `host:port` (0 picks a free port; `.port` tells it)."""
     listener = socket.create_server((host, port))
     # TCPStore binds every interface when it opens the port itself; handing it a bound socket keeps it on host.
+    # Its libuv backend, the default, takes a socket from torch 2.8 on; before, only the older backend does.
     return dist.TCPStore(host, listener.getsockname()[1], None, True, timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=listener.detach())
+                         wait_for_workers=False, master_listen_fd=listener.detach(),
+                         use_libuv=torch.__version__ >= "2.8")
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
