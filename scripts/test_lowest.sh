@@ -2,7 +2,7 @@
 # Runs the tests on the oldest versions pyproject.toml admits: every `>=X` bound among the dependencies
 # (test extras included) becomes `==X` in a fresh venv, NumPy stays below 2.4, the rest resolve as pip likes.
 # Arguments go to pytest.
-#   bash scripts/test_lowest.sh                      # the whole suite, about 15 minutes on 2 cores
+#   bash scripts/test_lowest.sh                      # the whole suite, about 15 minutes on 2 cores with the install
 #   VENV=/tmp/low bash scripts/test_lowest.sh -x tests/test_engine_parity.py
 # pip's torch for Linux is a CUDA build (a few GB); the tests run it on the CPU. Not part of CI (time).
 set -euo pipefail
