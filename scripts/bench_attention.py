@@ -11,8 +11,9 @@ run it; GB/s from it) and launched eagerly (device time plus whatever host launc
 scripts/gpu_timing.py). The peer in the same run is torch's `scaled_dot_product_attention` (its fused
 FlashAttention / memory-efficient kernels) over the same keys held densely, `[seqs, kv_heads, context,
 head_dim]`: no block table, no K/V store, so it is the speed a paged kernel aims at, not a like-for-like
-call. `--value-dim` makes the values the keys' first columns, one cache plane read once: multi-head latent
-attention cached as its latent (`--heads 128 --kv-heads 1 --head-dim 576 --value-dim 512` is DeepSeek-V3's
+call. Heads wider than 256, which sdpa's fused kernels do not take, get a grouped matmul instead
+("matmul"). `--value-dim` makes the values the keys' first columns, one cache plane read once: multi-head
+latent attention cached as its latent (`--heads 128 --kv-heads 1 --head-dim 576 --value-dim 512` is DeepSeek-V3's
 shape).
 
 Usage: python scripts/bench_attention.py [--seqs 64 256] [--context 1024 8192] [--dtype bfloat16] [--value-dim V]
@@ -75,15 +76,33 @@ def decode_step(seqs: int, context: int, args: argparse.Namespace):
     return kv_cache, meta, (q, k, v), moved
 
 
-def sdpa_peer(kv_cache: torch.Tensor, meta: AttentionMetadata, q: torch.Tensor, value_dim: int):
-    """torch's fused attention for the same decode over a dense copy of each sequence's keys and values."""
-    seqs, context = meta.block_table.shape[0], meta.max_seqlen_k
+def dense_kv(kv_cache: torch.Tensor, meta: AttentionMetadata, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values copied out of the paged cache, `[seqs, kv_heads, context, dim]`."""
+    context = meta.max_seqlen_k
     k_all, v_all = (kv_cache[0, i][meta.block_table.long()].flatten(1, 2)[:, :context].transpose(1, 2)
                     .contiguous() for i in (0, kv_cache.shape[1] - 1))
-    v_all = v_all[..., :value_dim].contiguous()
-    q4 = q.view(seqs, q.shape[1], 1, q.shape[2])
+    return k_all, v_all[..., :value_dim].contiguous()
+
+
+def sdpa_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor):
+    """torch's fused attention for the same decode over the dense keys and values."""
+    q4 = q.view(q.shape[0], q.shape[1], 1, q.shape[2])
     return functools.partial(torch.nn.functional.scaled_dot_product_attention, q4, k_all, v_all,
                              enable_gqa=True)
+
+
+def grouped_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor):
+    """softmax(q k^T / sqrt(d)) v with each KV head's query group in one batched matmul. For heads wider than
+    sdpa's fused kernels take (256), sdpa falls back to a math path that copies K/V, in float32, for every
+    query head: at 256 sequences of DeepSeek-V2-Lite's latent 32 GiB for the values alone, more than an
+    H100 had beside the cache (2026-11-26)."""
+    seqs, heads, dim = q.shape
+    q_groups = q.view(seqs, k_all.shape[1], heads // k_all.shape[1], dim)
+
+    def attend() -> torch.Tensor:
+        scores = (q_groups @ k_all.transpose(-1, -2)).float() * dim ** -0.5
+        return (scores.softmax(-1).to(v_all.dtype) @ v_all).view(seqs, heads, 1, v_all.shape[-1])
+    return attend
 
 
 def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: float) -> None:
@@ -98,9 +117,11 @@ def bench_shape(seqs: int, context: int, args: argparse.Namespace, copy_gbs: flo
         backend.prepare_metadata(meta)
         step = functools.partial(backend.forward, 0, q, k, v, args.head_dim ** -0.5, None, None)
         results.append((path, backend.num_splits, step(), step))
-    peer = sdpa_peer(kv_cache, meta, q, v.shape[-1])  # after the stores above, so it sees the new tokens too
+    k_all, v_all = dense_kv(kv_cache, meta, v.shape[-1])  # after the stores above: with the new tokens
+    name, make_peer = ("sdpa", sdpa_peer) if args.head_dim <= 256 else ("matmul", grouped_peer)
+    peer = make_peer(k_all, v_all, q)
     want = peer().view(*q.shape[:2], v.shape[-1])
-    results.append(("sdpa", "-", want, peer))
+    results.append((name, "-", want, peer))
     for path, splits, out, call in results:
         timed = time_call(call)
         gbs = moved / timed.ms / 1e6
@@ -127,7 +148,7 @@ def main() -> None:
           f"{f'values the first {args.value_dim} of the keys, ' if args.value_dim else ''}"
           f"{args.dtype}, block_size {args.block_size}")
     print(ROW.format("seqs", "context", "path", "splits", "graph (us)", "eager (us)", "GB/s", "of copy",
-                     "diff vs sdpa"))
+                     "diff vs peer"))
     for seqs in args.seqs:
         for context in args.context:
             bench_shape(seqs, context, args, copy_gbs)
