@@ -25,7 +25,7 @@ import torch
 from bench_gpu_runs import copy_bandwidth
 from gpu_timing import time_call
 
-from workers.engine.delta_rule import InPlaceRule
+from workers.engine.delta_rule import InPlace
 
 ROW = "{:>6} {:>10} {:>10} {:>10} {:>8} {:>8} {:>12}"
 
@@ -46,7 +46,7 @@ def transformers_rule():
     """Qwen3.5's decode rule as transformers resolved it (fla's kernel when installed), unwrapped."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
     rule = qwen3_5.torch_recurrent_gated_delta_rule
-    return rule.rule if isinstance(rule, InPlaceRule) else rule
+    return rule.function if isinstance(rule, InPlace) else rule
 
 
 def step_inputs(rows: int, args: argparse.Namespace, dev: str = "cuda") -> dict:

@@ -51,7 +51,7 @@ PATHS = {"mixed": (4, 1), "decode": (1, 1), "split": (1, 8)}
 KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
 # Gated DeltaNet decode in place (path "decode" only): key heads, value heads, key and value head widths
 DELTA_MODELS = {"qwen3.5-delta": (16, 32, 128, 128)}  # Qwen3.5's and Qwen3-Next's linear layers
-DELTA_KERNELS = ("_gated_delta_decode_kernel",)
+DELTA_KERNELS = ("_gated_delta_decode_kernel", "_short_conv_decode_kernel")
 ROW = "{:>5} {:>9} {:>11} {:>7} {:>24} {:>5} {:>6} {:>8}"
 
 
@@ -119,13 +119,18 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
 
 def compile_delta_rule(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
     """One Gated DeltaNet layer's in-place decode of two rows (delta_rule_kernel.py), compiled only: q, k, v
-    in `dtype`, the states in float32 as transformers keeps them."""
+    in `dtype`, the states in float32 as transformers keeps them; the short convolution before it (no bias,
+    4 taps) with its windows in `dtype`."""
     kv_heads, heads, head_k, head_v = DELTA_MODELS[model]
     q = torch.zeros(2, 1, kv_heads, head_k, dtype=dtype)
     v, gates = torch.zeros(2, 1, heads, head_v, dtype=dtype), torch.zeros(2, 1, heads)
     rows = torch.arange(2)
     delta_rule_kernel.gated_delta_decode(q, q, v, gates, gates.to(dtype), torch.zeros(3, heads, head_k, head_v),
                                          rows, rows, True)
+    channels = 2 * kv_heads * head_k + heads * head_v
+    x = torch.zeros(2, 1, channels, dtype=dtype).transpose(1, 2)
+    delta_rule_kernel.short_conv_decode(x, torch.zeros(channels, 4, dtype=dtype), None, True,
+                                        torch.zeros(3, channels, 4, dtype=dtype), rows, rows)
 
 
 def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:

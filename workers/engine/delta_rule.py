@@ -1,16 +1,19 @@
-"""A Gated DeltaNet decode step that updates each sequence's recurrent state in its slot.
+"""A Gated DeltaNet decode step that updates each sequence's states (recurrent and convolution) in their slots.
 
-transformers' Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo hybrid and their kin) decode through the
-module-level `torch_recurrent_gated_delta_rule` (fla's fused kernel when it is installed): it takes the
-batch's states as one `[B, HV, K, V]` tensor and returns new ones. Served from state slots, that means a
-gather before and a scatter after, two extra reads and writes of every state per layer and step, which for
-Qwen3.5's 2 MiB states is most of a decode step's memory traffic. Here the layer's own forward runs as it
-is; its state read returns a `SlotState` handle, which the wrapped rule (`InPlaceRule`, installed once per
-modeling module) recognises and serves with one kernel: each state is read from its source slot (the zero
-slot for a row starting afresh) and written back to the row's slot. Any other call goes to the rule
-unchanged, and a call this kernel does not know gathers the states and takes the rule's own path. The
-kernel (delta_rule_kernel.py, Triton) serves the decode calls where Triton runs: on CUDA, or with the
-Triton attention backend under its interpreter.
+transformers' Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo hybrid and their kin) decode through two
+module-level functions: `causal_conv1d_update`, which shifts each row's convolution window in place, and
+`torch_recurrent_gated_delta_rule` (fla's fused kernel when it is installed), which takes the batch's
+states as one `[B, HV, K, V]` tensor and returns new ones. Served from state slots, that means a gather
+before and a scatter after: for the rule two extra reads and writes of every state per layer and step,
+most of a Qwen3.5 decode step's memory traffic; for the convolution, whose torch path is itself a
+concatenation, a copy and a depthwise convolution, six launches per layer where one will do (3 ms of a
+32 ms step on an H100, 2026-11-26). Here the layer's own forward runs as it is; its state reads return
+handles (`SlotState`, `SlotWindow`) which the wrapped functions (`InPlace`, installed once per modeling
+module) recognise and serve with one kernel each: each state is read from its source slot (the zero slot
+for a row starting afresh) and written to the row's slot. Any other call goes to the function unchanged,
+and a call these kernels do not know gathers the states and takes the function's own path. The kernels
+(delta_rule_kernel.py, Triton) serve the decode calls where Triton runs: on CUDA, or with the Triton
+attention backend under its interpreter.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-RULE = "torch_recurrent_gated_delta_rule"
-# the rule's arguments this kernel serves, and the flags decoder layers pass along, which the rule ignores
+RULE, CONV = "torch_recurrent_gated_delta_rule", "causal_conv1d_update"
+# the rule's arguments its kernel serves, and the flags decoder layers pass along, which the rule ignores
 _KNOWN_ARGS = {"g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens",
                "use_cache", "output_router_logits", "output_attentions", "output_hidden_states"}
+_ACTIVATIONS = {None: False, "silu": True, "swish": True}  # the convolution kernel's: whether it applies SiLU
 
 
 class SlotState:
@@ -38,16 +42,16 @@ class SlotState:
         self.tensor, self.sources, self.rows = tensor, sources, rows
 
     def gather(self) -> torch.Tensor:
-        """The states as a `[B, ...]` tensor, for the rule's own path."""
+        """The states as a `[B, ...]` tensor, for the function's own path."""
         return self.tensor.index_select(0, self.sources)
 
     def decode(self, rule: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
-        """Serve one call of `rule` in place; returns (output, self), self standing for the states written."""
+        """Serve one call of the rule in place; returns (output, self), self standing for the states written."""
         q, k, v = args if len(args) == 3 else (None, None, None)
         unknown = tuple(name for name, value in kwargs.items() if name not in _KNOWN_ARGS and value is not None)
         if q is None or unknown or kwargs.get("cu_seqlens") is not None or q.shape[1] != 1:
-            _log_once(f"{len(args)} positional arguments, {unknown or 'no'} unknown ones, "
-                      f"cu_seqlens {kwargs.get('cu_seqlens') is not None}, {'?' if q is None else q.shape[1]} tokens")
+            _log_once(RULE, f"{len(args)} positional arguments, {unknown or 'no'} unknown ones, cu_seqlens "
+                      f"{kwargs.get('cu_seqlens') is not None}, {'?' if q is None else q.shape[1]} tokens")
             return rule(*args, **{**kwargs, "initial_state": self.gather()})
         from workers.engine.delta_rule_kernel import gated_delta_decode  # Triton: only where it runs
 
@@ -56,33 +60,64 @@ class SlotState:
         return out, self
 
 
+class SlotWindow(SlotState):
+    """What a Gated DeltaNet layer reads as its decode convolution windows `[B, C, W]`, in slots."""
+
+    def decode(self, update: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Serve one call of `causal_conv1d_update(x, window, weight, bias, activation)` in place: returns
+        the convolution's output `[B, C, 1]`, the windows shifted in their slots."""
+        call = inspect.signature(update).bind(*args, **kwargs)
+        call.apply_defaults()
+        names = list(call.arguments)
+        x, _, weight, bias, activation = (call.arguments[name] for name in names[:5])
+        unknown = [name for name in names[5:] if call.arguments[name] not in (None, {}, ())]
+        channels, width = self.tensor.shape[1:]
+        if (unknown or activation not in _ACTIVATIONS or x.dim() != 3 or x.shape[1:] != (channels, 1)
+                or weight.shape != (channels, weight.shape[-1]) or weight.shape[-1] > width):
+            _log_once(CONV, f"{unknown or 'no'} unknown arguments, activation {activation!r}, input "
+                      f"{tuple(x.shape)}, weight {tuple(weight.shape)}, windows {(channels, width)}")
+            call.arguments[names[1]] = window = self.gather()
+            out = update(*call.args, **call.kwargs)
+            self.tensor.index_copy_(0, self.rows, window.to(self.tensor.dtype))
+            return out
+        from workers.engine.delta_rule_kernel import short_conv_decode  # Triton: only where it runs
+
+        return short_conv_decode(x, weight, bias, _ACTIVATIONS[activation], self.tensor, self.sources, self.rows)
+
+
 @functools.cache
-def _log_once(call: str) -> None:
-    logger.warning("a gated delta rule call this engine's decode kernel does not serve (%s): its states are "
-                   "gathered for transformers' rule and written back, which reads and writes them twice more", call)
+def _log_once(function: str, call: str) -> None:
+    logger.warning("a %s call this engine's decode kernels do not serve (%s): its states are gathered for "
+                   "transformers' function and written back, which reads and writes them once more", function,
+                   call)
 
 
-class InPlaceRule:
-    """transformers' rule, wrapped: a call whose `initial_state` is a `SlotState` runs in place, any other
-    goes to the rule."""
+class InPlace:
+    """A transformers function, wrapped: a call given a `SlotState` (any argument) is served by it in place,
+    any other goes to the function."""
 
-    def __init__(self, rule: Callable) -> None:
-        self.rule = rule
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        functools.update_wrapper(self, function)
 
     def __call__(self, *args, **kwargs):
-        state = kwargs.get("initial_state")
-        if isinstance(state, SlotState):
-            return state.decode(self.rule, args, kwargs)
-        return self.rule(*args, **kwargs)
+        state = next((a for a in (*args, *kwargs.values()) if isinstance(a, SlotState)), None)
+        if state is not None:
+            return state.decode(self.function, args, kwargs)
+        return self.function(*args, **kwargs)
 
 
-def install_in_place_rule(cls: type) -> bool:
-    """Whether layers of `cls` decode through transformers' gated delta rule; if so, the rule their forward
-    calls is wrapped in an `InPlaceRule` (once)."""
+def install_in_place(cls: type) -> frozenset[str]:
+    """The states ("recurrent", with it "conv") that layers of `cls` decode in place: those of a layer whose
+    forward calls transformers' gated delta rule, and its short convolution's window where the forward calls
+    `causal_conv1d_update` too. Each function called is wrapped in an `InPlace` (once)."""
     forward = inspect.unwrap(cls.forward)
-    namespace = forward.__globals__
-    if RULE not in namespace or f"{RULE}(" not in inspect.getsource(forward):
-        return False
-    if not isinstance(namespace[RULE], InPlaceRule):
-        namespace[RULE] = InPlaceRule(namespace[RULE])
-    return True
+    namespace, source = forward.__globals__, inspect.getsource(forward)
+    kinds = {kind: name for kind, name in (("recurrent", RULE), ("conv", CONV))
+             if name in namespace and f"{name}(" in source}
+    if "recurrent" not in kinds:
+        return frozenset()
+    for name in kinds.values():
+        if not isinstance(namespace[name], InPlace):
+            namespace[name] = InPlace(namespace[name])
+    return frozenset(kinds)

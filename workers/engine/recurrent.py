@@ -22,7 +22,7 @@ import torch
 
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionMetadata, current_metadata
-from workers.engine.delta_rule import SlotState, install_in_place_rule
+from workers.engine.delta_rule import SlotState, SlotWindow, install_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,13 @@ class SlotView:
     `fresh` (a bool, or a `[rows]` bool tensor): which rows start from zero state. Reads gather the
     rows once (a fresh row gathers the zero slot instead: no pass over the gathered states to clear it);
     writes stay local until `flush`, since a mixer may update a state it read in place. In a decode call
-    (`in_place`: one token per row) the recurrent states of layers that decode through the gated delta rule
-    are not gathered: they read as a `SlotState`, which the rule updates in the slots (delta_rule.py).
+    (one token per row) the states `in_place` names, (layer, kind), are not gathered: those of layers that
+    decode through the gated delta rule read as a `SlotState` or `SlotWindow`, which the rule and the
+    convolution before it update in the slots (delta_rule.py).
     """
 
     def __init__(self, states: StateCache | None, rows: torch.Tensor | None, fresh: bool | torch.Tensor,
-                 in_place: frozenset[int] = frozenset()) -> None:
+                 in_place: frozenset[tuple[int, str]] = frozenset()) -> None:
         self.states, self.rows, self.fresh, self.in_place = states, rows, fresh, in_place
         self.local: dict[StateKey, torch.Tensor] = {}
         self.sources = (torch.where(fresh, states.zero_slot, rows)
@@ -54,8 +55,9 @@ class SlotView:
         if key not in self.local:
             if self.fresh is True or self.states is None:
                 return None
-            if key[0] in self.in_place and key[1] == "recurrent":
-                return SlotState(self.states.tensors[key], self.sources, self.rows)
+            if key[:2] in self.in_place:
+                handle = SlotState if key[1] == "recurrent" else SlotWindow
+                return handle(self.states.tensors[key], self.sources, self.rows)
             self.local[key] = self.states.tensors[key].index_select(0, self.sources)
         return self.local[key]
 
@@ -179,7 +181,7 @@ class Mixers:
     def __init__(self, model: torch.nn.Module, stepwise: bool = False) -> None:
         self.stepwise = stepwise
         self.layers: list[int] = []
-        self.delta_rule_layers: frozenset[int] = frozenset()  # those decoding through the gated delta rule
+        self.delta_rule_states: frozenset[tuple[int, str]] = frozenset()  # (layer, kind): delta_rule.py's
         self.in_place = False  # whether their decode calls update the states in their slots (Triton runs here)
         self.layout: dict[StateKey, tuple[torch.Size, torch.dtype]] = {}
         self.states: StateCache | None = None
@@ -188,8 +190,8 @@ class Mixers:
             if name is not None:
                 self.layers.append(module.layer_idx)
                 module.forward = self._wrap(module.forward, name)
-                if install_in_place_rule(type(module)):
-                    self.delta_rule_layers |= {module.layer_idx}
+                kinds = install_in_place(type(module))
+                self.delta_rule_states |= {(module.layer_idx, kind) for kind in kinds}
 
     def nbytes(self, slots: int, extra: dict[StateKey, tuple[torch.Size, torch.dtype]] | None = None) -> int:
         """Bytes `slots` slots of every state take (with `extra`'s)."""
@@ -228,7 +230,7 @@ class Mixers:
              kwargs: dict) -> torch.Tensor:
         """The mixer over a packed step `[1, T, D]`: a decode step's sequences in one call (the batch being
         the sequences), else each run of one-token sequences in one call and each longer chunk alone."""
-        in_place = self.delta_rule_layers if self.in_place else frozenset()
+        in_place = self.delta_rule_states if self.in_place else frozenset()
 
         def call(x: torch.Tensor, rows: torch.Tensor, fresh: bool | torch.Tensor, decode: bool = False) -> torch.Tensor:
             view = SlotView(self.states, rows, fresh, in_place if decode else frozenset())
