@@ -16,7 +16,8 @@
 #     (tests/test_decode_graphs.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
 #     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
-#     scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's);
+#     scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
+#     and its convolution update;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
 #     that take most of a decode step's device time (scripts/bench_profile.py). It starts no
