@@ -66,7 +66,7 @@ class SlotWindow(SlotState):
     def decode(self, update: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """Serve one call of `causal_conv1d_update(x, window, weight, bias, activation)` in place: returns
         the convolution's output `[B, C, 1]`, the windows shifted in their slots."""
-        call = inspect.signature(update).bind(*args, **kwargs)
+        call = _signature(update).bind(*args, **kwargs)
         call.apply_defaults()
         names = list(call.arguments)
         x, _, weight, bias, activation = (call.arguments[name] for name in names[:5])
@@ -83,6 +83,11 @@ class SlotWindow(SlotState):
         from workers.engine.delta_rule_kernel import short_conv_decode  # Triton: only where it runs
 
         return short_conv_decode(x, weight, bias, _ACTIVATIONS[activation], self.tensor, self.sources, self.rows)
+
+
+@functools.cache
+def _signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)
 
 
 @functools.cache
