@@ -30,6 +30,17 @@ FLA_FAMILIES = {"qwen3_5_text": _DELTA_32, "qwen3_next": _DELTA_32, "olmo_hybrid
                 "kimi_linear": {"linear_head_dim": 32}}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def ieee_float32():
+    """fla's chunked kernels leave their float32 products' precision to Triton, whose default is TF32: there the
+    engine's logprobs, prefilled in other chunks than the reference's, were off by up to 3.4e-3 (H100,
+    2026-11-26). TRITON_F32_DEFAULT makes them IEEE. It is set for the whole module, before any fla kernel
+    compiles: Triton keys the kernels it keeps in memory by their arguments, not by this variable."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_F32_DEFAULT", "ieee")
+        yield
+
+
 class ThirdPartyMamba2Config(transformers.Mamba2Config):
     """A package's own config registered over transformers' 'mamba2', as fla's is."""
 
@@ -98,12 +109,9 @@ def test_with_fla_installed(zoo_dir, name):
 
 @pytest.mark.skipif(not (HAS_FLA and ON_GPU), reason="needs flash-linear-attention and a CUDA GPU")
 @pytest.mark.parametrize("name", sorted(FLA_FAMILIES))
-def test_fla_kernels_give_transformers_tokens_on_a_gpu(tmp_path, monkeypatch, name):
-    """Engine and reference both run fla's kernels (float32, on the card): forked greedy samples, prompts
-    prefilled in chunks, batched decode steps (captured where the model allows) give `generate`'s tokens and
-    a plain forward's logprobs. fla's chunked kernels leave their float32 products' precision to Triton,
-    whose default is TF32: there the engine's logprobs, prefilled in other chunks than the reference's, were
-    off by up to 3.4e-3 (H100, 2026-11-26). TRITON_F32_DEFAULT (part of Triton's cache key) makes them IEEE."""
-    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+def test_fla_kernels_give_transformers_tokens_on_a_gpu(tmp_path, name):
+    """Engine and reference both run fla's kernels (float32, on the card, IEEE: `ieee_float32`): forked greedy
+    samples, prompts prefilled in chunks, batched decode steps (captured where the model allows) give
+    `generate`'s tokens and a plain forward's logprobs."""
     path = build_zoo_model(name, tmp_path, **FLA_FAMILIES[name])
     assert_every_sample_exact(path, n=2, device="cuda", reference_device="cuda")
