@@ -30,7 +30,7 @@ request finished), each engine's ratio to each transformers variant, start-up se
 = load, KV sizing, warm-up and graph capture, plus a 2-prompt warm-up call; "capture" is the runner's
 `graph_capture_s` where it reports one, in brackets the part spent in each graph's warm-up launch, where
 kernels compile on first use; the JSON adds `graphs`, how many were captured, and `startup_phases_s`, the
-runner's seconds per phase of construction;
+runner's seconds per phase of construction, printed below the table for decode and workloads alike;
 transformers: model load plus the rest of the call: cache allocation and its graph warm-up) and the
 engine's preemptions. Target: this engine (engine-on) at least 2x every transformers variant.
 
@@ -217,6 +217,7 @@ def print_workload(model: str, item: str, rows: list[dict], args: argparse.Names
         print(WORKLOAD_ROW.format(r["system"], fmt(r.get("tokens_per_s"), ".0f"), *ratios,
                                   fmt(r.get("startup_s"), ".1f"), capture(r),
                                   pre["offloads"] + pre["recomputes"] if pre else "-", status(r)))
+    print_startup(rows)
     best = best_engine(rows)
     if best is None or not peers:
         return f"{model} / {item}: >= {TARGET_RATIO:g}x transformers: not measured"
@@ -244,12 +245,22 @@ def print_decode(model: str, rows: list[dict], copy_gbs: float) -> str:
         share = fmt(100 * r["roofline_share"], ".0f") + "%" if "roofline_share" in r else "-"
         print(DECODE_ROW.format(r["system"], fmt(r.get("ms_per_step"), ".2f"), *gb, fmt(r.get("roofline_ms"), ".2f"),
                                 share, status(r)))
+    print_startup(rows)
     best = best_engine(rows)
     if best is None:
         return f"{model} / decode: >= {TARGET_ROOFLINE:.0%} of the roofline: not measured"
     verdict = "met" if best["roofline_share"] >= TARGET_ROOFLINE else "MISSED"
     return (f"{model} / decode: {best['system']} step >= {TARGET_ROOFLINE:.0%} of the roofline: {verdict} "
             f"({best['roofline_share']:.0%})")
+
+
+def print_startup(rows: list[dict]) -> None:
+    """Each engine's start-up by phase: construction's (the runner's `startup_s`), then the 2-prompt call."""
+    for r in rows:
+        if phases := r.get("startup_phases_s"):
+            parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
+            print(f"{r['system']} start-up {r['startup_s']:.1f} s: {parts}; "
+                  f"the 2-prompt call {r['startup_s'] - sum(phases.values()):.1f}")
 
 
 def capture(row: dict) -> str:

@@ -253,7 +253,7 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     runner = engine.runner
     profile = profile_steps(engine.step, args.device, args.profile_decode) if args.profile_decode else None
     return {"status": "ok", "seqs": seqs, "context": context, "ms_per_step": ms, "startup_s": startup,
-            "profile": profile, "weight_bytes": weight_bytes(runner.model),
+            "startup_phases_s": dict(runner.startup_s), "profile": profile, "weight_bytes": weight_bytes(runner.model),
             "kv_bytes": seqs * context * runner.bytes_per_block / BLOCK_SIZE,
             "state_bytes": 2 * seqs * runner.mixers.nbytes(1)}  # linear layers' states, read and written
 

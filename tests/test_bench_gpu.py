@@ -70,6 +70,7 @@ def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
             assert len(profile["kernels"]) == 3 and profile["kernels"][0][1] >= profile["kernels"][-1][1] > 0
             assert sum(ms for _, ms, _ in profile["kernels"]) <= profile["busy_ms_per_step"]
             assert f"{run['system']}: the device is busy" in proc.stdout
+            assert f"{run['system']} start-up {run['startup_s']:.1f} s: load " in proc.stdout
         else:
             prompts, n, new = map(int, SIZES.search(printed[run["workload"]][0]).groups())
             assert run["tokens"] == prompts * n * new, run
