@@ -39,7 +39,8 @@
 #   bash scripts/gpu_wheels.sh      # then run with carry [".whl"]
 # msgspec from .whl/ is installed into /tmp/site, the fla wheels into /tmp/site-fla, which only
 # tests/test_fla.py and bench_gpu.py see: once imported, fla changes transformers for the whole process (its
-# own 'mamba' models, its kernels for CPU tensors too), so the other tests run as CI does, without it. The project runs from the source tree, no install.
+# own 'mamba' models, its kernels for CPU tensors too), so the other tests run as CI does, without it. The
+# project runs from the source tree, no install.
 # Usage: bash scripts/gpu_check.sh [extra pytest args]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}

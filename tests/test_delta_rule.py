@@ -84,7 +84,7 @@ def test_a_call_the_kernel_does_not_know_takes_the_rules_own_path(caplog):
         return args[2], initial_state + 1
 
     out, new = InPlace(own_rule)(q, k, v, g=g, beta=beta, initial_state=SlotState(states, rows, rows),
-                                     output_final_state=True, scale=0.5)
+                                 output_final_state=True, scale=0.5)
     assert calls[0]["scale"] == 0.5 and out is v
     assert torch.equal(new, before[:5] + 1) and torch.equal(states, before)
     assert "('scale',) unknown" in caplog.text

@@ -117,7 +117,10 @@ def install_in_place(cls: type) -> frozenset[str]:
     forward calls transformers' gated delta rule, and its short convolution's window where the forward calls
     `causal_conv1d_update` too. Each function called is wrapped in an `InPlace` (once)."""
     forward = inspect.unwrap(cls.forward)
-    namespace, source = forward.__globals__, inspect.getsource(forward)
+    namespace = forward.__globals__
+    if RULE not in namespace:  # a mixer of another kind (Mamba, short convolutions): its source is not read
+        return frozenset()
+    source = inspect.getsource(forward)
     kinds = {kind: name for kind, name in (("recurrent", RULE), ("conv", CONV))
              if name in namespace and f"{name}(" in source}
     if "recurrent" not in kinds:
