@@ -17,7 +17,8 @@
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
 #     shape, also at 8-32 sequences around the split-KV threshold, then DeepSeek-V2-Lite's expanded and latent);
 #     scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
-#     and its convolution update;
+#     and its convolution update; scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
+#     against the fused kernel;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
 #     that take most of a decode step's device time (scripts/bench_profile.py). It starts no
@@ -59,7 +60,7 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
     tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py tests/test_decode_graphs.py \
-    tests/test_delta_rule.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 |
+    tests/test_delta_rule.py tests/test_fused_norm.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 |
     tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"
@@ -79,6 +80,9 @@ echo "engine and kernel tests done at ${SECONDS} s"
 bench_rc=${PIPESTATUS[0]}
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
 PYTHONPATH=$PYTHONPATH$fla python3 scripts/bench_delta_rule.py 2>&1 | tee "$OUT/bench_delta_rule.log"
+bench_rc=$((bench_rc || PIPESTATUS[0]))
+# the norms of a decode step, transformers' modules against the fused kernel (about 20 s)
+python3 scripts/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log"
 bench_rc=$((bench_rc || PIPESTATUS[0]))
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then

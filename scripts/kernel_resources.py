@@ -1,5 +1,5 @@
-"""Compile the Triton attention kernels (and the Gated DeltaNet decode) for NVIDIA GPUs without one; print
-each kernel's registers, stack (spilled) bytes and shared memory.
+"""Compile the Triton attention kernels (and the Gated DeltaNet decode, the fused RMS norm) for NVIDIA GPUs
+without one; print each kernel's registers, stack (spilled) bytes and shared memory.
 
 Triton's compiler and the ptxas it bundles need no GPU: a stand-in driver names the target
 architecture, and `TritonBackend.forward` then compiles, without running, every kernel it launches
@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-from workers.engine import delta_rule_kernel
+from workers.engine import delta_rule_kernel, norm_kernel
 from workers.engine.attention import triton_kernels
 from workers.engine.attention.base import AttentionMetadata
 from workers.engine.attention.triton_backend import TritonBackend
@@ -52,6 +52,9 @@ KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"
 # Gated DeltaNet decode in place (path "decode" only): key heads, value heads, key and value head widths
 DELTA_MODELS = {"qwen3.5-delta": (16, 32, 128, 128)}  # Qwen3.5's and Qwen3-Next's linear layers
 DELTA_KERNELS = ("_gated_delta_decode_kernel", "_short_conv_decode_kernel")
+# fused RMS norms (path "decode" only): (width, gated) of each norm a model's layers call
+NORM_MODELS = {"qwen3.5-norms": ((4096, False), (256, False), (128, True)), "llama3-70b-norms": ((8192, False),)}
+NORM_KERNELS = ("_rms_norm_kernel",)
 ROW = "{:>5} {:>9} {:>11} {:>7} {:>24} {:>5} {:>6} {:>8}"
 
 
@@ -133,10 +136,25 @@ def compile_delta_rule(model: str, path: str, dtype: torch.dtype, compiled: dict
                                         torch.zeros(3, channels, 4, dtype=dtype), rows, rows)
 
 
+def compile_norms(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+    """A model's RMS norms over three rows (norm_kernel.py), compiled only."""
+    for width, gated in NORM_MODELS[model]:
+        x = torch.zeros(3, width, dtype=dtype)
+        norm_kernel.rms_norm(x, torch.zeros(width, dtype=dtype), 1e-6, True, True, x if gated else None)
+
+
+def kernels_of(model: str) -> tuple:
+    """The module holding a model shape's kernels, their names, and the function that launches them."""
+    if model in DELTA_MODELS:
+        return delta_rule_kernel, DELTA_KERNELS, compile_delta_rule
+    if model in NORM_MODELS:
+        return norm_kernel, NORM_KERNELS, compile_norms
+    return triton_kernels, KERNELS, compile_step
+
+
 def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
     """Compile one step's kernels for `arch` (launches replaced by compiles) and print a row each."""
-    module, names, step = ((delta_rule_kernel, DELTA_KERNELS, compile_delta_rule) if model in DELTA_MODELS
-                           else (triton_kernels, KERNELS, compile_step))
+    module, names, step = kernels_of(model)
     kernels = {name: getattr(module, name) for name in names}
     compiled: dict = {}
     driver.set_active(TargetDriver(arch))
@@ -159,14 +177,14 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capability")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
                         choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--models", nargs="+", default=[*MODELS, *DELTA_MODELS], choices=[*MODELS, *DELTA_MODELS],
-                        help="model shapes")
+    shapes = [*MODELS, *DELTA_MODELS, *NORM_MODELS]
+    parser.add_argument("--models", nargs="+", default=shapes, choices=shapes, help="model shapes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
     print(ROW.format("arch", "dtype", "model", "path", "kernel", "regs", "stack", "smem"))
     for arch, dtype, model in itertools.product(args.arch, args.dtype, args.models):
-        for path in ["decode"] if model in DELTA_MODELS else PATHS:
+        for path in PATHS if model in MODELS else ["decode"]:
             compile_and_report(arch, dtype, model, path)
 
 

@@ -1,5 +1,5 @@
-"""The whole engine on the Triton backend (compiled on a GPU, else interpreted on the CPU) gives the
-torch backend's tokens on the same device."""
+"""The whole engine on the Triton backend (compiled on a GPU, else interpreted on the CPU), its RMS norms
+fused, gives the torch backend's tokens on the same device."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from rollout import SamplingParams
 from tests.conftest import ON_GPU, make_engine, random_prompts, run
+from workers.engine.fused_norm import FusedNorm
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
@@ -31,11 +32,21 @@ def test_a_linear_attention_hybrid_on_triton_matches_torch(zoo_dir):
 def assert_triton_matches_torch(path: str, prompts: list[list[int]], graphs: tuple[bool, bool]) -> None:
     params = SamplingParams(n=2, temperature=0, max_new_tokens=6, ignore_eos=True)
     config = dict(block_size=16, max_batch_tokens=32, device="cuda" if ON_GPU else "cpu")
-    want = run(make_engine(path, attention_backend="torch", **config), prompts, params)
+    reference = make_engine(path, attention_backend="torch", **config)
+    assert reference.runner.fused_norms == {}  # transformers' own norms
+    want = run(reference, prompts, params)
     engine = make_engine(path, attention_backend="triton", cuda_graphs=graphs, **config)
     assert type(engine.runner.backend).__name__ == "TritonBackend"
+    assert_norms_fused(engine.runner.model)
     got = run(engine, prompts, params)
     assert (engine.runner.graphs.replays > 0) if graphs[1] else engine.runner.graphs is None
     for key in want:
         assert got[key]["token_ids"] == want[key]["token_ids"]
         assert got[key]["logprobs"] == pytest.approx(want[key]["logprobs"], abs=1e-4)
+
+
+def assert_norms_fused(model) -> None:
+    """Every RMS norm module (Gated DeltaNet's gated one included) runs as one kernel."""
+    norms = {name for name, module in model.named_modules() if "RMSNorm" in type(module).__name__}
+    assert norms and norms == {name for name, module in model.named_modules()
+                               if isinstance(vars(module).get("forward"), FusedNorm)}

@@ -31,10 +31,12 @@ if hasattr(BaseBackend, "compute_spec_key"):  # Triton 3.2, torch 2.6's
     pytest.skip("this Triton keys launches through a backend instance, not the API Recorder calls",
                 allow_module_level=True)
 
+from workers.engine import norm_kernel  # noqa: E402
 from workers.engine.attention import AttentionMetadata, triton_kernels  # noqa: E402
 from workers.engine.staging import Staging  # noqa: E402
 
-KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+KERNELS = ((triton_kernels, "_store_kv_kernel"), (triton_kernels, "_paged_attention_kernel"),
+           (triton_kernels, "_merge_splits_kernel"), (norm_kernel, "_rms_norm_kernel"))
 H100_SMS = 132
 
 
@@ -57,8 +59,8 @@ class Recorder:
 def record_launches(monkeypatch) -> set:
     """The set every kernel launch from now on adds its specialization key to."""
     seen: set = set()
-    for name in KERNELS:
-        monkeypatch.setattr(triton_kernels, name, Recorder(getattr(triton_kernels, name), seen))
+    for module, name in KERNELS:
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), seen))
     return seen
 
 
@@ -84,7 +86,7 @@ def test_steps_launch_only_variants_warmed_at_start(model_dir, monkeypatch, arch
     for entry in graphs.graphs.values():  # what capturing each graph launches first on CUDA
         graphs._launch(entry)
     at_start = set(seen)
-    assert {kernel for kernel, *_ in at_start} >= {"_store_kv_kernel", "_paged_attention_kernel"}
+    assert {kernel for kernel, *_ in at_start} >= {"_store_kv_kernel", "_paged_attention_kernel", "_rms_norm_kernel"}
     engine.runner.staging = Staging(torch.device("cpu"), pack=True)
     prompts = random_prompts(6, 512, (3, 45), seed=3)
     prompts.append(prompts[0][:17] + [5])  # a prefix-cache hit: one prompt token left to compute

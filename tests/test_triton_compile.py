@@ -1,7 +1,8 @@
-"""The Triton kernels compile for real GPUs without one: every launch TritonBackend makes, and the Gated
-DeltaNet decode's, for Ampere (sm_80) and Hopper (sm_90), in bfloat16 and float16, through Triton's compiler
-and the ptxas it bundles (scripts/kernel_resources.py, run in a process without TRITON_INTERPRET). This covers
-what the interpreter cannot: code generation, bfloat16, the compiled launch options."""
+"""The Triton kernels compile for real GPUs without one: every launch TritonBackend makes, the Gated
+DeltaNet decode's and the fused RMS norm's, for Ampere (sm_80) and Hopper (sm_90), in bfloat16 and float16,
+through Triton's compiler and the ptxas it bundles (scripts/kernel_resources.py, run in a process without
+TRITON_INTERPRET). This covers what the interpreter cannot: code generation, bfloat16, the compiled launch
+options."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ HAS_NVIDIA_BACKEND = (Path(triton.__file__).parent / "backends" / "nvidia" / "bi
 
 
 def script_constants():
-    """MODELS, PATHS and DELTA_MODELS of the script, the shapes it compiles."""
+    """MODELS, PATHS, DELTA_MODELS and NORM_MODELS of the script, the shapes it compiles."""
     spec = importlib.util.spec_from_file_location("kernel_resources", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.MODELS, module.PATHS, module.DELTA_MODELS
+    return module.MODELS, module.PATHS, module.DELTA_MODELS, module.NORM_MODELS
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="this Triton build has no NVIDIA backend")
@@ -41,7 +42,7 @@ def test_kernels_compile_for_ampere_and_hopper() -> None:
     compiled: dict[tuple, set[str]] = {}
     for arch, dtype, model, path, kernel, *_ in rows:
         compiled.setdefault((arch, dtype, model, path), set()).add(kernel)
-    models, paths, delta_models = script_constants()
+    models, paths, delta_models, norm_models = script_constants()
     for arch, dtype in itertools.product(("sm_80", "sm_90"), ("bfloat16", "float16")):
         for model, path in itertools.product(models, paths):
             split = {"merge_splits_kernel"} if path == "split" else set()
@@ -50,4 +51,6 @@ def test_kernels_compile_for_ampere_and_hopper() -> None:
         for model in delta_models:
             delta = {"gated_delta_decode_kernel", "short_conv_decode_kernel"}
             assert compiled[(arch, dtype, model, "decode")] == delta, (arch, dtype, model)
+        for model in norm_models:
+            assert compiled[(arch, dtype, model, "decode")] == {"rms_norm_kernel"}, (arch, dtype, model)
     assert all(int(regs) > 0 for *_, regs, _stack, _smem in rows)

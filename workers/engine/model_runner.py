@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,6 +19,7 @@ from workers.engine import memory
 from workers.engine.attention import AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
+from workers.engine.fused_norm import fuse_norms
 from workers.engine.graphs import DecodeGraphs, HostSync, resolve
 from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
@@ -90,7 +92,11 @@ class ModelRunner:
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         cuda_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        self.mixers.in_place = cuda_triton or self.backend.runs_triton  # where delta_rule.py's kernel runs
+        self.mixers.in_place = cuda_triton or self.backend.runs_triton  # where Triton kernels run beside attention
+        self.fused_norms = Counter()  # norm modules of each class that run as one kernel (fused_norm.py)
+        if self.mixers.in_place:
+            with startup_phase(self.startup_s, "fused norms", self.device):
+                self.fused_norms = fuse_norms(self.model)
         with startup_phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if self.decode_graphs:
