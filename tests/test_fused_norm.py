@@ -10,31 +10,36 @@ import os
 import pytest
 import torch
 import transformers.models.gemma.modeling_gemma as gemma
+import transformers.models.kimi_linear.modeling_kimi_linear as kimi_linear
 import transformers.models.llama.modeling_llama as llama
 import transformers.models.mamba2.modeling_mamba2 as mamba2
 import transformers.models.olmo_hybrid.modeling_olmo_hybrid as olmo_hybrid
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 import transformers.models.t5.modeling_t5 as t5
 
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, hf_model
+from tests.test_model_coverage import ACCEPTED
 from workers.engine import norm_kernel
-from workers.engine.fused_norm import FusedNorm, fuse_norms
+from workers.engine.fused_norm import FusedNorm, _is_candidate, fuse_norms
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton needs CUDA or its interpreter")
 DEVICE = "cuda" if ON_GPU else "cpu"
-# class, width, (offset, round_first in 16 bits, gated): Llama rounds the normalized input to the model's dtype
-# before its weight; Gemma's and Qwen3.5's weights are centred on zero and multiply in float32; OLMo's weight
-# multiplies in float32; Qwen3.5's Gated DeltaNet output norm rounds like Llama's, then gates by SiLU
+# class, width, (offset, round_first in 16 bits, silu, gated): Llama rounds the normalized input to the model's
+# dtype before its weight; Gemma's and Qwen3.5's weights are centred on zero and multiply in float32; OLMo's
+# weight multiplies in float32; Qwen3.5's Gated DeltaNet output norm rounds like Llama's, then gates by SiLU;
+# Kimi Linear's stays in float32 and gates by a sigmoid
 VARIANTS = {
-    "llama": (llama.LlamaRMSNorm, 72, (False, True, False)),
-    "qwen3_5": (qwen3_5.Qwen3_5RMSNorm, 64, (True, False, False)),
-    "gemma": (gemma.GemmaRMSNorm, 40, (True, False, False)),
-    "olmo_hybrid": (olmo_hybrid.OlmoHybridRMSNorm, 64, (False, False, False)),
-    "t5": (t5.T5LayerNorm, 48, (False, True, False)),
-    "qwen3_5_gated": (qwen3_5.Qwen3_5RMSNormGated, 24, (False, True, True)),
+    "llama": (llama.LlamaRMSNorm, 72, (False, True, True, False)),
+    "qwen3_5": (qwen3_5.Qwen3_5RMSNorm, 64, (True, False, True, False)),
+    "gemma": (gemma.GemmaRMSNorm, 40, (True, False, True, False)),
+    "olmo_hybrid": (olmo_hybrid.OlmoHybridRMSNorm, 64, (False, False, True, False)),
+    "t5": (t5.T5LayerNorm, 48, (False, True, True, False)),
+    "qwen3_5_gated": (qwen3_5.Qwen3_5RMSNormGated, 24, (False, True, True, True)),
+    "kimi_gated": (kimi_linear.KimiLinearRMSNormGated, 32, (False, False, False, True)),
 }
+GATED = (qwen3_5.Qwen3_5RMSNormGated, kimi_linear.KimiLinearRMSNormGated)
 
 
 class WrongEps(llama.LlamaRMSNorm):
@@ -71,7 +76,7 @@ def launches(monkeypatch) -> list[int]:
 
 
 def call(module: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return module(x, gate) if isinstance(module, qwen3_5.Qwen3_5RMSNormGated) else module(x)
+    return module(x, gate) if isinstance(module, GATED) else module(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []), ids=str)
@@ -89,9 +94,10 @@ def test_each_variant_is_fused_and_equals_its_module(monkeypatch, dtype):
     assert fused == {cls.__name__: 1 for cls, _, _ in VARIANTS.values()}
     calls = launches(monkeypatch)
     for name, module in model.items():
-        offset, round_first, gated = VARIANTS[name][2]
+        offset, round_first, silu, gated = VARIANTS[name][2]
         chosen = module.forward
         assert isinstance(chosen, FusedNorm) and (chosen.offset, chosen.gated) == (offset, gated), name
+        assert chosen.silu == silu or not gated, name
         x, gate, expected = want[name]
         got = call(module, x, gate)
         assert got.dtype == dtype and got.shape == expected.shape
@@ -123,3 +129,19 @@ def test_calls_it_was_not_verified_for_take_the_module_forward(monkeypatch):
     with pytest.raises(TypeError):
         model["gated"](x.float())  # transformers' forward needs its gate, as before
     assert calls == []
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_every_family_forward_is_unchanged_by_fusing_its_norms(zoo_dir, name):
+    """Each accepted family's transformers forward, before and after `fuse_norms`: logits within 1e-4, and every
+    plain RMS norm fused (gated ones may keep their forward: Mamba-2's gates before it)."""
+    model = hf_model(zoo_dir(name)).to(DEVICE)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        want = model(ids).logits
+        plain = {key for key, module in model.named_modules()
+                 if _is_candidate(module) and type(module).__name__.endswith("RMSNorm")}
+        fuse_norms(model)
+        got = model(ids).logits
+    assert plain == {key for key in plain if isinstance(vars(model.get_submodule(key)).get("forward"), FusedNorm)}
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

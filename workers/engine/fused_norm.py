@@ -28,15 +28,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
-VARIANTS = tuple(itertools.product((False, True), (True, False)))  # (offset, round_first)
+# (offset, round_first, silu): a weight centred on zero, Llama's rounding order, a SiLU (else sigmoid) gate
+VARIANTS = tuple(itertools.product((False, True), (True, False), (True, False)))
 
 
 class FusedNorm:
     """A norm module's forward as one kernel launch with its variant; calls it was not verified for (another
     dtype, width or device, a missing gate) go to the module's own forward."""
 
-    def __init__(self, module: torch.nn.Module, eps: float, offset: bool, round_first: bool, gated: bool) -> None:
-        self.module, self.eps, self.offset, self.round_first, self.gated = module, eps, offset, round_first, gated
+    def __init__(self, module: torch.nn.Module, eps: float, offset: bool, round_first: bool, silu: bool,
+                 gated: bool) -> None:
+        self.module, self.eps, self.offset, self.round_first = module, eps, offset, round_first
+        self.silu, self.gated = silu, gated
         self.original = module.forward
 
     def __call__(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,7 +50,7 @@ class FusedNorm:
                 or hidden_states.shape[-1] != weight.shape[0] or (gate is None) == self.gated
                 or (gate is not None and gate.shape != hidden_states.shape)):
             return self.original(hidden_states) if gate is None else self.original(hidden_states, gate)
-        return rms_norm(hidden_states, weight, self.eps, self.offset, self.round_first, gate)
+        return rms_norm(hidden_states, weight, self.eps, self.offset, self.round_first, gate, self.silu)
 
 
 def fuse_norms(model: torch.nn.Module) -> Counter:
@@ -95,8 +98,8 @@ def _eps(module: torch.nn.Module) -> float | None:
     return next((getattr(module, name) for name in EPS_NAMES if hasattr(module, name)), None)
 
 
-def _verified_variant(module: torch.nn.Module) -> tuple[bool, bool, bool] | None:
-    """(offset, round_first, gated) of the variant whose output equals the module's to within rounding on a
+def _verified_variant(module: torch.nn.Module) -> tuple[bool, bool, bool, bool] | None:
+    """(offset, round_first, silu, gated) of the variant whose output equals the module's to within rounding on a
     probe, the one equal bit for bit most often; None if none does."""
     from workers.engine.norm_kernel import rms_norm
 
@@ -110,10 +113,10 @@ def _verified_variant(module: torch.nn.Module) -> tuple[bool, bool, bool] | None
     if not isinstance(expected, torch.Tensor) or expected.shape != x.shape or expected.dtype != x.dtype:
         return None
     scores = {}
-    for offset, round_first in VARIANTS:
-        ours = rms_norm(x, probe.weight, _eps(module), offset, round_first, gate if gated else None)
+    for offset, round_first, silu in VARIANTS if gated else VARIANTS[::2]:  # ungated: silu does not count
+        ours = rms_norm(x, probe.weight, _eps(module), offset, round_first, gate if gated else None, silu)
         if _within_rounding(ours, expected):
-            scores[(offset, round_first, gated)] = (ours == expected).float().mean().item()
+            scores[(offset, round_first, silu, gated)] = (ours == expected).float().mean().item()
     return max(scores, key=scores.get) if scores else None
 
 

@@ -10,9 +10,9 @@ import triton.language as tl
 ROW_ELEMENTS = 2048  # elements per program: rows of small norms (per head) share one
 
 
-@triton.jit(do_not_specialize=["rows", "round_first"])
+@triton.jit(do_not_specialize=["rows", "round_first", "silu"])
 def _rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_g, stride_o, rows, n, eps, offset,
-                     round_first, ROWS: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr):
+                     round_first, silu, ROWS: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr):
     rs = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     ok = (rs < rows)[:, None] & (cols < n)[None, :]
@@ -24,15 +24,16 @@ def _rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_g, stride
     y = tl.where(round_first != 0, rounded, y * w[None, :])
     if GATED:
         g = tl.load(gate_ptr + rs[:, None] * stride_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        y = y * (g * tl.sigmoid(g))
+        y = y * tl.where(silu != 0, g, 1.0) * tl.sigmoid(g)
     tl.store(out_ptr + rs[:, None] * stride_o + cols[None, :], y.to(dtype), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool, round_first: bool,
-             gate: torch.Tensor | None = None) -> torch.Tensor:
+             gate: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """`x * rsqrt(mean(x**2) + eps) * (weight (+ 1 with `offset`))` over the last dimension, times `silu(gate)`
-    when given, in x's dtype. `round_first` rounds the normalized x to x's dtype before the weight and the
-    weighted product before the gate (Llama's order); otherwise everything stays float32 until the output."""
+    (`sigmoid(gate)` without `silu`) when given, in x's dtype. `round_first` rounds the normalized x to x's
+    dtype before the weight and the weighted product before the gate (Llama's order); otherwise everything
+    stays float32 until the output."""
     n = x.shape[-1]
     flat = x.reshape(-1, n)
     gates = flat if gate is None else gate.reshape(-1, n)
@@ -42,8 +43,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool, ro
         return out
     block = triton.next_power_of_2(n)
     per_program = max(1, min(16, ROW_ELEMENTS // block))
-    grid = (triton.cdiv(flat.shape[0], per_program),)
-    _rms_norm_kernel[grid](flat, gates, weight, out, flat.stride(0), gates.stride(0), n, flat.shape[0], n, eps,
-                           float(offset), int(round_first), ROWS=per_program, BLOCK=block, GATED=gate is not None,
-                           num_warps=min(8, max(1, per_program * block // 512)))
+    _rms_norm_kernel[(triton.cdiv(flat.shape[0], per_program),)](
+        flat, gates, weight, out, flat.stride(0), gates.stride(0), n, flat.shape[0], n, eps, float(offset),
+        int(round_first), int(silu), ROWS=per_program, BLOCK=block, GATED=gate is not None,
+        num_warps=min(8, max(1, per_program * block // 512)))
     return out
