@@ -5,6 +5,7 @@ to bfloat16)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -55,6 +56,13 @@ class Doubled(llama.LlamaRMSNorm):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return 2 * super().forward(hidden_states)
+
+
+def mamba2_gated_norm(width: int) -> torch.nn.Module:
+    """Mamba-2's gated norm: the gate before the norm, over groups of half the width where transformers has
+    groups (after 5.17)."""
+    groups = "group_size" in inspect.signature(mamba2.MambaRMSNormGated.__init__).parameters
+    return mamba2.MambaRMSNormGated(width, **({"group_size": width // 2} if groups else {}))
 
 
 def norm_model(modules: dict[str, torch.nn.Module], dtype: torch.dtype) -> torch.nn.ModuleDict:
@@ -113,7 +121,7 @@ def test_norms_no_variant_computes_keep_their_forward(monkeypatch):
     """Another eps than the one held, a doubled output, a gate before the norm over groups (Mamba2's), a layer
     norm: none fused, each still its own forward."""
     model = norm_model({"wrong_eps": WrongEps(32), "doubled": Doubled(32), "layer": torch.nn.LayerNorm(32),
-                        "mamba2": mamba2.MambaRMSNormGated(32, group_size=16)}, torch.float32)
+                        "mamba2": mamba2_gated_norm(32)}, torch.float32)
     assert fuse_norms(model) == {}
     assert all("forward" not in vars(module) for module in model.values())
 
