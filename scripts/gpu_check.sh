@@ -11,7 +11,9 @@
 #     linear-attention hybrid's per-sequence state survives forks, preemption and graph padding on the GPU
 #     (tests/test_recurrent.py), also where the Gated DeltaNet decode kernel updates it in its slot
 #     (tests/test_delta_rule.py: the kernel against transformers' rule, compiled), and gpt-oss's windowed layers kept in rings give the full cache's samples
-#     through the compiled kernels and captured graphs (tests/test_window_ring.py), and decode graphs replay
+#     through the compiled kernels and captured graphs (tests/test_window_ring.py), the fused RMS norms equal
+#     transformers' modules in float32 and bfloat16 (tests/test_fused_norm.py; its sweep of every family's
+#     forward runs in CI, and every family runs with them through the graph tests below), and decode graphs replay
 #     as eager steps do, and are refused naming the line for a step that waits on the host every time
 #     (tests/test_decode_graphs.py);
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth (Llama-3-8B's
@@ -60,7 +62,10 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton
 python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
     tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py tests/test_decode_graphs.py \
-    tests/test_delta_rule.py tests/test_fused_norm.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" "$@" 2>&1 |
+    tests/test_delta_rule.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" \
+    tests/test_fused_norm.py::test_each_variant_is_fused_and_equals_its_module \
+    tests/test_fused_norm.py::test_norms_no_variant_computes_keep_their_forward \
+    tests/test_fused_norm.py::test_calls_it_was_not_verified_for_take_the_module_forward "$@" 2>&1 |
     tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"
