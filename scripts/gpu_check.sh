@@ -65,7 +65,8 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/
     tests/test_delta_rule.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" \
     tests/test_fused_norm.py::test_each_variant_is_fused_and_equals_its_module \
     tests/test_fused_norm.py::test_norms_no_variant_computes_keep_their_forward \
-    tests/test_fused_norm.py::test_calls_it_was_not_verified_for_take_the_module_forward "$@" 2>&1 |
+    tests/test_fused_norm.py::test_calls_it_was_not_verified_for_take_the_module_forward \
+    tests/test_fused_norm.py::test_a_weight_update_reaches_the_fused_norms "$@" 2>&1 |
     tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"

@@ -18,7 +18,8 @@ import transformers.models.olmo_hybrid.modeling_olmo_hybrid as olmo_hybrid
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 import transformers.models.t5.modeling_t5 as t5
 
-from tests.conftest import ON_GPU, hf_model
+from rollout import SamplingParams
+from tests.conftest import ON_GPU, hf_model, make_engine, random_prompts, run
 from tests.test_model_coverage import ACCEPTED
 from workers.engine import norm_kernel
 from workers.engine.fused_norm import FusedNorm, _is_candidate, fuse_norms
@@ -153,3 +154,23 @@ def test_every_family_forward_is_unchanged_by_fusing_its_norms(zoo_dir, name):
         got = model(ids).logits
     assert plain == {key for key in plain if isinstance(vars(model.get_submodule(key)).get("forward"), FusedNorm)}
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_weight_update_reaches_the_fused_norms(model_dir):
+    """New weights whose norms differ (each weight scaled by 1 +- 0.5 at random): the Triton engine, its norms
+    fused and its decode steps through the static-buffer path, gives the torch engine's tokens and logprobs
+    after the update (a fused norm reading its old weight would not)."""
+    path = model_dir("qwen3")
+    gen = torch.Generator().manual_seed(0)
+    state = {key: value * (1 + 0.5 * torch.randn(value.shape, generator=gen)) if key.endswith("norm.weight")
+             else value for key, value in hf_model(path).state_dict().items()}
+    prompts, params = random_prompts(3, 512, (5, 20), seed=7), SamplingParams(temperature=0, max_new_tokens=5)
+    rows, fused = {}, {}
+    for backend, graphs in (("torch", (False, False)), ("triton", (False, True))):
+        engine = make_engine(path, attention_backend=backend, cuda_graphs=graphs, device=DEVICE)
+        engine.update_weights(state, version=1)
+        rows[backend], fused[backend] = run(engine, prompts, params), engine.runner.fused_norms
+    assert fused == {"torch": {}, "triton": {"Qwen3RMSNorm": 9}}
+    for key, want in rows["torch"].items():
+        assert rows["triton"][key]["token_ids"] == want["token_ids"]
+        assert rows["triton"][key]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
