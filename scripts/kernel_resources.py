@@ -53,7 +53,8 @@ KERNELS = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"
 DELTA_MODELS = {"qwen3.5-delta": (16, 32, 128, 128)}  # Qwen3.5's and Qwen3-Next's linear layers
 DELTA_KERNELS = ("_gated_delta_decode_kernel", "_short_conv_decode_kernel")
 # fused RMS norms (path "decode" only): (width, gated) of each norm a model's layers call
-NORM_MODELS = {"qwen3.5-norms": ((4096, False), (256, False), (128, True)), "llama3-70b-norms": ((8192, False),)}
+NORM_MODELS = {"qwen3.5-norms": ((4096, False), (256, False), (128, True)), "llama3-70b-norms": ((8192, False),),
+               "llama3-405b-norms": ((16384, False),)}  # fused_norm.MAX_WIDTH: the widest it fuses
 NORM_KERNELS = ("_rms_norm_kernel",)
 ROW = "{:>5} {:>9} {:>11} {:>7} {:>24} {:>5} {:>6} {:>8}"
 

@@ -22,7 +22,7 @@ from rollout import SamplingParams
 from tests.conftest import ON_GPU, hf_model, make_engine, random_prompts, run
 from tests.test_model_coverage import ACCEPTED
 from workers.engine import norm_kernel
-from workers.engine.fused_norm import FusedNorm, _is_candidate, fuse_norms
+from workers.engine.fused_norm import MAX_WIDTH, FusedNorm, _is_candidate, fuse_norms
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
@@ -120,9 +120,9 @@ def test_each_variant_is_fused_and_equals_its_module(monkeypatch, dtype):
 
 def test_norms_no_variant_computes_keep_their_forward(monkeypatch):
     """Another eps than the one held, a doubled output, a gate before the norm over groups (Mamba2's), a layer
-    norm: none fused, each still its own forward."""
+    norm, a norm wider than one program holds: none fused, each still its own forward."""
     model = norm_model({"wrong_eps": WrongEps(32), "doubled": Doubled(32), "layer": torch.nn.LayerNorm(32),
-                        "mamba2": mamba2_gated_norm(32)}, torch.float32)
+                        "mamba2": mamba2_gated_norm(32), "wide": llama.LlamaRMSNorm(MAX_WIDTH + 1)}, torch.float32)
     assert fuse_norms(model) == {}
     assert all("forward" not in vars(module) for module in model.values())
 

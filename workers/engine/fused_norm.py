@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+MAX_WIDTH = 16384  # one program holds a row: the widest compiled without spills (kernel_resources.py)
 # (offset, round_first, silu): a weight centred on zero, Llama's rounding order, a SiLU (else sigmoid) gate
 VARIANTS = tuple(itertools.product((False, True), (True, False), (True, False)))
 
@@ -74,10 +75,12 @@ def fuse_norms(model: torch.nn.Module) -> Counter:
 
 
 def _is_candidate(module: torch.nn.Module) -> bool:
-    """One 1-D `weight` parameter, no buffers or children, a float eps, and its class's forward (not fused
-    already), of the input (and a gate)."""
+    """One 1-D `weight` parameter (at most MAX_WIDTH wide), no buffers or children, a float eps, and its
+    class's forward (not fused already), of the input (and a gate)."""
     params = dict(module.named_parameters(recurse=False))
     if "forward" in vars(module) or list(params) != ["weight"] or params["weight"].dim() != 1:
+        return False
+    if params["weight"].shape[0] > MAX_WIDTH:
         return False
     if list(module.buffers(recurse=False)) or list(module.children()) or not isinstance(_eps(module), float):
         return False
