@@ -7,7 +7,7 @@ so weight updates and captured graphs see it.
 
 transformers' RMS norms differ in small ways: a weight centred on zero (`1 + weight`, Gemma's, Qwen3.5's),
 whether the normalized input is rounded to the model's dtype before the weight (Llama's) or after (Gemma's),
-a SiLU gate after the norm. Which variant a module computes is not read from its code: each module is run
+a SiLU or sigmoid gate after the norm. Which variant a module computes is not read from its code: each module is run
 once, on a copy with a random weight, beside every variant of the kernel, at rows whose scale makes its eps
 matter; the module is fused only where a variant gives its output to within rounding (the one that agrees
 bit for bit most often). Anything else (a layer norm, a gate before the norm, a group norm, another
