@@ -118,7 +118,7 @@ def test_each_variant_is_fused_and_equals_its_module(monkeypatch, dtype):
     assert len(calls) == len(VARIANTS)
 
 
-def test_norms_no_variant_computes_keep_their_forward(monkeypatch):
+def test_norms_no_variant_computes_keep_their_forward():
     """Another eps than the one held, a doubled output, a gate before the norm over groups (Mamba2's), a layer
     norm, a norm wider than one program holds: none fused, each still its own forward."""
     model = norm_model({"wrong_eps": WrongEps(32), "doubled": Doubled(32), "layer": torch.nn.LayerNorm(32),
