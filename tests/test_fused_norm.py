@@ -22,7 +22,7 @@ from rollout import SamplingParams
 from tests.conftest import ON_GPU, hf_model, make_engine, random_prompts, run
 from tests.test_model_coverage import ACCEPTED
 from workers.engine import norm_kernel
-from workers.engine.fused_norm import MAX_WIDTH, FusedNorm, _is_candidate, fuse_norms
+from workers.engine.fused_norm import MAX_WIDTH, FusedNorm, _inputs, fuse_norms
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
@@ -149,7 +149,7 @@ def test_every_family_forward_is_unchanged_by_fusing_its_norms(zoo_dir, name):
     with torch.no_grad():
         want = model(ids).logits
         plain = {key for key, module in model.named_modules()
-                 if _is_candidate(module) and type(module).__name__.endswith("RMSNorm")}
+                 if _inputs(module) and type(module).__name__.endswith("RMSNorm")}
         fuse_norms(model)
         got = model(ids).logits
     assert plain == {key for key in plain if isinstance(vars(model.get_submodule(key)).get("forward"), FusedNorm)}

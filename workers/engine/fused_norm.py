@@ -59,14 +59,16 @@ def fuse_norms(model: torch.nn.Module) -> Counter:
     returns how many modules of each class were fused (and logs those kept)."""
     fused, kept = Counter(), Counter()
     for module in model.modules():
-        if not _is_candidate(module):
+        inputs = _inputs(module)
+        if not inputs:
             continue
-        chosen = _verified_variant(module)
+        eps, gated = _eps(module), inputs == 2
+        chosen = _verified_variant(module, eps, gated)
         name = type(module).__name__
         if chosen is None:
             kept[name] += 1
             continue
-        module.forward = FusedNorm(module, _eps(module), *chosen)
+        module.forward = FusedNorm(module, eps, *chosen, gated)
         fused[name] += 1
     if kept:
         logger.warning("norm modules no fused variant computes, left to their own forward: %s", dict(kept))
@@ -74,17 +76,19 @@ def fuse_norms(model: torch.nn.Module) -> Counter:
     return fused
 
 
-def _is_candidate(module: torch.nn.Module) -> bool:
-    """One 1-D `weight` parameter (at most MAX_WIDTH wide), no buffers or children, a float eps, and its
-    class's forward (not fused already), of the input (and a gate)."""
+def _inputs(module: torch.nn.Module) -> int:
+    """How many tensors a candidate norm's forward takes (1, or 2 with a gate); 0 for a module that is not one:
+    a candidate has one 1-D `weight` parameter (at most MAX_WIDTH wide), no buffers or children, a float eps,
+    and its class's forward (not fused already)."""
     params = dict(module.named_parameters(recurse=False))
     if "forward" in vars(module) or list(params) != ["weight"] or params["weight"].dim() != 1:
-        return False
+        return 0
     if params["weight"].shape[0] > MAX_WIDTH:
-        return False
+        return 0
     if list(module.buffers(recurse=False)) or list(module.children()) or not isinstance(_eps(module), float):
-        return False
-    return len(_signature(module.forward)) in (1, 2)
+        return 0
+    count = len(_signature(module.forward))
+    return count if count in (1, 2) else 0
 
 
 def _signature(forward: Callable) -> list[str]:
@@ -101,13 +105,12 @@ def _eps(module: torch.nn.Module) -> float | None:
     return next((getattr(module, name) for name in EPS_NAMES if hasattr(module, name)), None)
 
 
-def _verified_variant(module: torch.nn.Module) -> tuple[bool, bool, bool, bool] | None:
-    """(offset, round_first, silu, gated) of the variant whose output equals the module's to within rounding on a
+def _verified_variant(module: torch.nn.Module, eps: float, gated: bool) -> tuple[bool, bool, bool] | None:
+    """(offset, round_first, silu) of the variant whose output equals the module's to within rounding on a
     probe, the one equal bit for bit most often; None if none does."""
     from workers.engine.norm_kernel import rms_norm
 
-    probe, x, gate = _probe(module)
-    gated = len(_signature(module.forward)) == 2
+    probe, x, gate = _probe(module, eps)
     try:
         with torch.no_grad():
             expected = probe(x, gate) if gated else probe(x)
@@ -116,14 +119,14 @@ def _verified_variant(module: torch.nn.Module) -> tuple[bool, bool, bool, bool] 
     if not isinstance(expected, torch.Tensor) or expected.shape != x.shape or expected.dtype != x.dtype:
         return None
     scores = {}
-    for offset, round_first, silu in VARIANTS if gated else VARIANTS[::2]:  # ungated: silu does not count
-        ours = rms_norm(x, probe.weight, _eps(module), offset, round_first, gate if gated else None, silu)
+    for variant in VARIANTS if gated else VARIANTS[::2]:  # ungated: silu does not count
+        ours = rms_norm(x, probe.weight, eps, *variant[:2], gate if gated else None, variant[2])
         if _within_rounding(ours, expected):
-            scores[(offset, round_first, silu, gated)] = (ours == expected).float().mean().item()
+            scores[variant] = (ours == expected).float().mean().item()
     return max(scores, key=scores.get) if scores else None
 
 
-def _probe(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def _probe(module: torch.nn.Module, eps: float) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """A copy of `module` with a random weight, and inputs `[2, 3, n]` whose rows' scales are sqrt(eps)
     (where eps counts), 1 and 100; a gate of the same shape."""
     weight = module.weight
@@ -132,7 +135,7 @@ def _probe(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor, torc
     n = weight.shape[0]
     with torch.no_grad():
         probe.weight.copy_(torch.randn(n, generator=gen) * 0.5 + 0.2)
-    scales = torch.tensor([max(_eps(module), 1e-12) ** 0.5, 1.0, 100.0]).repeat(2).view(2, 3, 1)
+    scales = torch.tensor([max(eps, 1e-12) ** 0.5, 1.0, 100.0]).repeat(2).view(2, 3, 1)
     x = (torch.randn(2, 3, n, generator=gen) * scales).to(weight.device, weight.dtype)
     gate = (torch.randn(2, 3, n, generator=gen) * 2).to(weight.device, weight.dtype)
     return probe, x, gate

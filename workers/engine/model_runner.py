@@ -92,9 +92,10 @@ class ModelRunner:
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         cuda_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        self.mixers.in_place = cuda_triton or self.backend.runs_triton  # where Triton kernels run beside attention
+        runs_triton = cuda_triton or self.backend.runs_triton  # where Triton kernels run beside attention
+        self.mixers.in_place = runs_triton  # delta_rule.py's kernels
         self.fused_norms = Counter()  # norm modules of each class that run as one kernel (fused_norm.py)
-        if self.mixers.in_place:
+        if runs_triton:
             with startup_phase(self.startup_s, "fused norms", self.device):
                 self.fused_norms = fuse_norms(self.model)
         with startup_phase(self.startup_s, "warm-up", self.device):
