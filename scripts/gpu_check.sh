@@ -63,7 +63,8 @@ export PYTHONPATH=$PWD$site PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers, msgspec; assert torch.cuda.is_available(), 'no CUDA device'
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__,
       'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
-python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_kernels.py tests/test_attention_selector.py \
+# --durations: the 15 slowest, which decide how much of a session's 900 s of device time the tests take
+python3 -m pytest -q -rs -p no:cacheprovider --durations=15 tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
     tests/test_memory.py tests/test_kv_cache.py tests/test_recurrent.py tests/test_decode_graphs.py \
     tests/test_delta_rule.py "tests/test_window_ring.py::test_rings_through_the_triton_kernels" \
