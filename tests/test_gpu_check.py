@@ -41,7 +41,7 @@ def run_check(tmp_path: Path, total_s: int = 60, fail: str = "-none-", slow: str
 def test_steps_run_in_order_and_pass(tmp_path):
     rc, steps, out = run_check(tmp_path)
     assert rc == 0, out
-    assert [step for i, step in enumerate(steps) if step not in steps[:i]] == [
+    assert list(dict.fromkeys(steps)) == [
         "test_triton_kernels.py", "bench_delta_rule.py", "bench_norm.py", "bench_gpu.py", "bench_attention.py",
         "test_fla.py", "test_model_coverage.py"]
     assert steps.count("bench_attention.py") == 4

@@ -1,5 +1,5 @@
 """The Triton kernel of fused_norm.py: an RMS norm over the last dimension in one launch, optionally gated by
-SiLU, computed in float32 with the 16-bit roundings of transformers' variants where they round."""
+SiLU or sigmoid, computed in float32 with the 16-bit roundings of transformers' variants where they round."""
 
 from __future__ import annotations
 
