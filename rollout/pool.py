@@ -118,9 +118,10 @@ class WorkerPool:
             plan.setdefault(worker, []).append(prompt)
         return plan
 
-    def release(self, worker: int, samples: int) -> None:
-        """`samples` of the worker's outstanding load arrived or were given up."""
-        if worker in self.load:
+    def release(self, worker: int, handle: ActorHandle, samples: int) -> None:
+        """`samples` of the worker's outstanding load arrived or were given up; a no-op when `handle` is no
+        longer that worker (its replacement under the same id owes none of them)."""
+        if self.workers.get(worker) is handle:
             self.load[worker] -= samples
 
     def lose(self, worker: int, handle: ActorHandle, reason: BaseException) -> None:

@@ -82,7 +82,7 @@ class SampleCall:
                     raise item
         finally:
             for stream in self.streams:
-                self.pool.release(stream.worker, stream.owed)
+                self.pool.release(stream.worker, stream.handle, stream.owed)
                 stream.close()
 
     async def _send(self, prompts: list[int]) -> None:
@@ -90,8 +90,10 @@ class SampleCall:
         acknowledged its share has that share routed again."""
         await self.pool.wait_live()
         plan = self.pool.assign({i: len(self.missing[i]) for i in prompts}, self.num_blocks)
+        # The handles now: a worker may be lost before its stream opens (its share is then routed again).
+        handles = {worker: self.pool.workers[worker] for worker in plan}
         # Wait for every share before raising, so that each opened stream is known when the call ends.
-        results = await asyncio.gather(*(self._open(w, share) for w, share in plan.items()),
+        results = await asyncio.gather(*(self._open(w, handles[w], share) for w, share in plan.items()),
                                        return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -100,11 +102,10 @@ class SampleCall:
         if again:
             await self._send(again)
 
-    async def _open(self, worker: int, prompts: list[int]) -> list[int]:
+    async def _open(self, worker: int, handle: ActorHandle, prompts: list[int]) -> list[int]:
         """Open one worker's stream for `prompts` and wait for its acknowledgement; returns the prompts
         to route again if the worker is lost (a rejected request raises instead)."""
         groups = [PromptGroup(i, self.prompts[i], sorted(self.missing[i]), self.repeats[i]) for i in prompts]
-        handle = self.pool.workers[worker]
         generator = handle.generate.remote(f"{self.call_id}.{next(self._serial)}", groups, self.params)
         stream = _Stream(worker, handle, prompts, sum(len(g.sample_indices) for g in groups), generator)
         self.streams.append(stream)
@@ -126,9 +127,9 @@ class SampleCall:
         for prompt, sample in zip(prompts, batch.column("sample_index").to_pylist()):
             self.missing[prompt].discard(sample)
         stream.owed -= batch.num_rows
-        self.pool.release(stream.worker, batch.num_rows)
+        self.pool.release(stream.worker, stream.handle, batch.num_rows)
 
     def _drop(self, stream: _Stream) -> None:
         """Forget a stream that has ended; what it still owed no longer counts as its worker's load."""
         self.streams.remove(stream)
-        self.pool.release(stream.worker, stream.owed)
+        self.pool.release(stream.worker, stream.handle, stream.owed)

@@ -1,0 +1,105 @@
+"""A sample call's routing when a worker is lost at awkward moments, over stand-in workers (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pytest
+import ray
+from ray.exceptions import RayActorError
+
+from rollout.params import SamplingParams
+from rollout.pool import WorkerPool
+from rollout.sample_call import SampleCall
+from workers.messages import PromptGroup
+
+
+async def _value(value: object) -> object:
+    return value
+
+
+class StandInStream:
+    """A worker's `generate` stream: the acknowledgement (None), then one record batch per prompt group;
+    every step raises RayActorError once the worker is dead, as a killed actor's stream does."""
+
+    def __init__(self, worker: SimpleNamespace, groups: list[PromptGroup]) -> None:
+        self.worker = worker
+        self.items: list = [None] + [pa.record_batch({"prompt_index": [g.prompt_index] * len(g.sample_indices),
+                                                      "sample_index": list(g.sample_indices)}) for g in groups]
+
+    def __aiter__(self) -> StandInStream:
+        return self
+
+    async def __anext__(self):
+        if self.worker.dead:
+            raise RayActorError()
+        if not self.items:
+            raise StopAsyncIteration
+        return _value(self.items.pop(0))
+
+
+def stand_in_worker(served: list[int], worker_id: int) -> SimpleNamespace:
+    """A live worker that records its id in `served` for each stream it opens."""
+    worker = SimpleNamespace(dead=False)
+
+    def generate(call_id: str, groups: list[PromptGroup], params: SamplingParams) -> StandInStream:
+        served.append(worker_id)
+        return StandInStream(worker, groups)
+
+    worker.generate = SimpleNamespace(remote=generate)
+    return worker
+
+
+@pytest.fixture
+def pool(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPool, list[int]]:
+    """Two stand-in workers with equal caches and no load; losing one replaces nothing."""
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: setattr(handle, "dead", True))
+    monkeypatch.setattr(ray, "cancel", lambda generator: None)
+    served: list[int] = []
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.workers = {w: stand_in_worker(served, w) for w in (0, 1)}
+    pool.num_blocks, pool.load, pool.replacing, pool.closed = {0: 64, 1: 64}, {0: 0, 1: 0}, {}, True
+    return pool, served
+
+
+def run_call(pool: WorkerPool, prompts: int, n: int) -> list[tuple[int, int]]:
+    """The (prompt, sample) keys of every row a call of `prompts` prompts with `n` samples each yields."""
+    async def collect() -> list[tuple[int, int]]:
+        call = SampleCall(pool, [[5, 6 + i] for i in range(prompts)], SamplingParams(n=n), num_blocks=64)
+        items = [item async for item in call.run()]
+        assert items[0] == prompts * n
+        return [key for batch in items[1:] for key in zip(batch.column("prompt_index").to_pylist(),
+                                                          batch.column("sample_index").to_pylist())]
+    return asyncio.run(collect())
+
+
+def test_a_worker_lost_between_routing_and_opening_its_stream_has_its_share_routed_again(pool):
+    """The soak test's KeyError: a worker lost after the call's prompts were assigned to it, before its
+    stream opened (the pool notices deaths on its own tasks), must not fail the call; its share goes to a
+    live worker and every sample arrives once."""
+    pool, served = pool
+    assign = pool.assign
+
+    def assign_then_lose(demands: dict[int, int], num_blocks: int) -> dict[int, list[int]]:
+        plan = assign(demands, num_blocks)
+        if 0 in pool.workers:  # the death noticed before the streams open
+            asyncio.get_running_loop().call_soon(pool.lose, 0, pool.workers[0], RayActorError())
+        return plan
+
+    pool.assign = assign_then_lose
+    keys = run_call(pool, prompts=4, n=3)
+    assert sorted(keys) == [(p, s) for p in range(4) for s in range(3)]
+    assert served[-1] == 1 and list(pool.workers) == [1] and pool.load == {1: 0}
+
+
+def test_a_lost_workers_replacement_keeps_its_load_when_the_old_streams_end(pool):
+    """Samples owed by a lost worker's stream are not taken off the load of the replacement that took its
+    id: routing would favour the replacement for good."""
+    pool, served = pool
+    old = pool.workers[0]
+    pool.lose(0, old, RayActorError())
+    pool.workers[0], pool.load[0] = stand_in_worker(served, 0), 0  # admitted under the same id
+    pool.release(0, old, 5)
+    assert pool.load == {0: 0, 1: 0}
