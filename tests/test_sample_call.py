@@ -13,6 +13,7 @@ from ray.exceptions import RayActorError
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 from rollout.sample_call import SampleCall
+from tests.test_worker_pool import pool_of
 from workers.messages import PromptGroup
 
 
@@ -58,9 +59,8 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> tuple[WorkerPool, list[int]]:
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: setattr(handle, "dead", True))
     monkeypatch.setattr(ray, "cancel", lambda generator: None)
     served: list[int] = []
-    pool = WorkerPool.__new__(WorkerPool)
-    pool.workers = {w: stand_in_worker(served, w) for w in (0, 1)}
-    pool.num_blocks, pool.load, pool.replacing, pool.closed = {0: 64, 1: 64}, {0: 0, 1: 0}, {}, True
+    pool = pool_of({0: 64, 1: 64}, {0: 0, 1: 0}, [])
+    pool.workers, pool.closed = {w: stand_in_worker(served, w) for w in (0, 1)}, True
     return pool, served
 
 

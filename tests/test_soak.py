@@ -164,7 +164,7 @@ def test_soak(model_dir):
         client = RolloutClient.connect(name="rollout", namespace="rollout")
         tally, preempted, start = Tally(), Counter(), time.monotonic()
         updated_at = run_phases(client, model, tally, preempted)
-        assert not tally.errors, "".join(traceback.format_exception(tally.errors[0]))
+        assert not tally.errors, "".join(line for err in tally.errors for line in traceback.format_exception(err))
         check_rows(tally, updated_at)
         check_workers(client, preempted)
         again = rollout.sample(random_prompts(2, 512, (4, 8), seed=1), n=2, max_new_tokens=4).to_table()
