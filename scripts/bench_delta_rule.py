@@ -19,6 +19,7 @@ the states' (or windows') bytes read and written once, the least a decode must m
 output's largest difference from the in-place kernel's.
 
 Usage: python scripts/bench_delta_rule.py [--rows 64 256] [--kv-heads 16] [--heads 32] [--head-dim 128]
+                                       [--tiles 32x4 64x8 ...]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from gpu_timing import time_call
 
 from workers.engine.delta_rule import InPlace
 
-ROW = "{:>6} {:>13} {:>10} {:>10} {:>8} {:>8} {:>12}"
+ROW = "{:>6} {:>17} {:>10} {:>10} {:>8} {:>8} {:>12}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128, help="key and value head width (default 128)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="q, k, v dtype; the states are float32 (default bfloat16)")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="BVxWARPS",
+                        help="also time the in-place kernel with these tiles, e.g. 64x8: value columns per program "
+                             "by warps (the kernel's default: BLOCK_V x NUM_WARPS)")
     return parser.parse_args()
 
 
@@ -72,8 +76,8 @@ def step_inputs(rows: int, args: argparse.Namespace, dev: str = "cuda") -> dict:
                 windows=torch.randn(rows + 2, channels, 4, dtype=dtype, device=dev))
 
 
-def rule_ways(x: dict, rule) -> dict:
-    """The rule's three ways, each a call returning the output."""
+def rule_ways(x: dict, rule, tiles: list[str]) -> dict:
+    """The rule's three ways, and the in-place kernel with each of `tiles`, each a call returning the output."""
     from workers.engine.delta_rule_kernel import gated_delta_decode
     group = x["v"].shape[2] // x["q"].shape[2]
     q, k = (x[name].repeat_interleave(group, 2) for name in ("q", "k"))  # what every rule version accepts
@@ -87,7 +91,25 @@ def rule_ways(x: dict, rule) -> dict:
 
     return {"in place": lambda: gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
                                                    x["slots"], x["slots"], True),
-            "gathered": gathered, "rule": lambda: rule(q, k, x["v"], initial_state=batch, **call)[0]}
+            "gathered": gathered, "rule": lambda: rule(q, k, x["v"], initial_state=batch, **call)[0],
+            **{f"in place {tile}": tiled(tile, x) for tile in tiles}}
+
+
+def tiled(tile: str, x: dict):
+    """The in-place kernel with the tile "BVxWARPS", set for each call (a graph's capture is one call)."""
+    import workers.engine.delta_rule_kernel as kernel
+    block_v, warps = map(int, tile.split("x"))
+
+    def call():
+        default = kernel.BLOCK_V, kernel.NUM_WARPS
+        kernel.BLOCK_V, kernel.NUM_WARPS = block_v, warps
+        try:
+            return kernel.gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["slots"],
+                                             x["slots"], True)
+        finally:
+            kernel.BLOCK_V, kernel.NUM_WARPS = default
+
+    return call
 
 
 def conv_ways(x: dict, update) -> dict:
@@ -140,7 +162,7 @@ def main() -> None:
     print(ROW.format("rows", "way", "graph (us)", "eager (us)", "GB/s", "of copy", "diff"))
     for rows in args.rows:
         x = step_inputs(rows, args)
-        print_rows(rows, x, rule_ways(x, rule), "state", copy_gbs)
+        print_rows(rows, x, rule_ways(x, rule, args.tiles), "state", copy_gbs)
         print_rows(rows, x, conv_ways(x, update), "windows", copy_gbs)
 
 

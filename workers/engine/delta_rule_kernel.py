@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 32
+BLOCK_V = 64  # value columns of a state per program, and its warps: scripts/bench_delta_rule.py --tiles
+NUM_WARPS = 4
 BLOCK_C = 128
 
 
@@ -59,7 +60,8 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         q, k, v, g, beta, out, state, sources, rows, q.stride(0), q.stride(2), k.stride(0), k.stride(2),
         v.stride(0), v.stride(2), g.stride(0), beta.stride(0), out.stride(0), out.stride(2), state.stride(0),
         state.stride(1), head_k ** 0.5, GROUP=heads // kv_heads, K=head_k, V=head_v,
-        BK=triton.next_power_of_2(head_k), BV=min(BLOCK_V, triton.next_power_of_2(head_v)), L2NORM=l2norm)
+        BK=triton.next_power_of_2(head_k), BV=min(BLOCK_V, triton.next_power_of_2(head_v)), L2NORM=l2norm,
+        num_warps=NUM_WARPS)
     return out
 
 
