@@ -28,18 +28,19 @@
 #     GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began; BENCH_GPU_ARGS adds or
 #     replaces its options (e.g. "--models qwen3.5 --systems engine-on"), SKIP_BENCH_GPU=1 leaves it out. The
 #     random models are saved once under $BENCH_GPU_CACHE (default /tmp/bench_gpu_models);
+#   - tests/test_fla.py with flash-linear-attention on the path (below): hybrids through fla's kernels on the
+#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth
 #     (DeepSeek-V2-Lite's cached latent and expanded K/V, then Llama-3-8B's shape, also at 8-32 sequences
 #     around the split-KV threshold);
-#   - tests/test_fla.py with flash-linear-attention on the path (below): hybrids through fla's kernels on the
-#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - every accepted model family stays exact through captured decode graphs in float32, and the MoE
 #     families in bfloat16, the one dtype their experts (torch._grouped_mm) capture in
 #     (tests/test_model_coverage.py).
-#   A step the limit cuts says so in its log; being cut is no failure. Times on an H100 (2026-11-26): the
-#   engine tests 149 s (about 190 s from the start), bench_attention and bench_delta_rule about 100 s,
-#   bench_gpu's Qwen3.5 decode probe of engine-on and engine-off 190 s, test_fla 151 s, the graph tests of
-#   all 90 families about 150 s (on an H200).
+#   A step the limit cuts says so in its log; being cut is no failure. Times on an H200 (2026-11-26, sixth GPU
+#   session): the engine tests 170 s (203 s from the start), bench_delta_rule, bench_norm, bench_gpu's Qwen3.5
+#   decode and multi_return_seq (engine-on; 80 s of it writing the model and starting the first engine) and
+#   bench_attention together 322 s; on an H100: test_fla 151 s; the graph tests of all 90 families about 150 s.
+#   Eight log files, the most a device call brings back.
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec (and flash-linear-attention,
 # whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
 # carry it with the device call:
@@ -62,7 +63,7 @@ fla=$(install /tmp/site-fla $(compgen -G ".whl/fla_core-*.whl") $(compgen -G ".w
 export PYTHONPATH=$PWD$site PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers, msgspec; assert torch.cuda.is_available(), 'no CUDA device'
 print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__,
-      'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/device.txt" || exit
+      'transformers', transformers.__version__, 'msgspec', msgspec.__version__)" 2>&1 | tee "$OUT/tests.log" || exit
 # --durations: the 15 slowest, which decide how much of a session's 900 s of device time the tests take
 python3 -m pytest -q -rs -p no:cacheprovider --durations=15 tests/test_triton_kernels.py tests/test_attention_selector.py \
     tests/test_engine_parity.py tests/test_engine_triton.py tests/test_preemption.py tests/test_gpu_step.py \
@@ -72,7 +73,7 @@ python3 -m pytest -q -rs -p no:cacheprovider --durations=15 tests/test_triton_ke
     tests/test_fused_norm.py::test_norms_no_variant_computes_keep_their_forward \
     tests/test_fused_norm.py::test_calls_it_was_not_verified_for_take_the_module_forward \
     tests/test_fused_norm.py::test_a_weight_update_reaches_the_fused_norms "$@" 2>&1 |
-    tee "$OUT/tests.log"
+    tee -a "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "engine and kernel tests done at ${SECONDS} s"
 timed() {  # timed <command>...: the command, stopped (SIGINT) once GPU_CHECK_TOTAL_S seconds have passed
@@ -101,18 +102,6 @@ if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
         --budget-s $(( budget > 0 ? budget : 0 )) --profile-decode 15 ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
-{
-    # DeepSeek-V2-Lite's cached latent (values the keys' first 512), every split count, to retune
-    # choose_num_splits for wide heads (the best count was 4 at 64 sequences and 8 at 128 on an H100, where
-    # the heuristic chose the other; 256 sequences not reached yet); then its expanded K/V
-    timed python3 scripts/bench_attention.py --seqs 64 128 256 --context 4096 --heads 16 --kv-heads 1 \
-        --head-dim 576 --value-dim 512 --splits 2 4 8 16 &&
-    timed python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&
-    # Llama-3-8B's shape, then 8-32 sequences around choose_num_splits' threshold (2 programs per SM)
-    timed python3 scripts/bench_attention.py &&
-    timed python3 scripts/bench_attention.py --seqs 8 16 32 --context 4096 --splits 4 8 16
-} 2>&1 | tee "$OUT/bench_attention.log"
-attention_rc=${PIPESTATUS[0]}
 # SIGINT lets pytest still report what ran and what failed; fla's kernels autotune on first use (test_fla:
 # 151 s for its 9 tests on an H100)
 timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest until GPU_CHECK_TOTAL_S
@@ -122,6 +111,18 @@ timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest unt
 }
 timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
 fla_rc=$?
+{
+    # DeepSeek-V2-Lite's cached latent (values the keys' first 512), every split count, to retune
+    # choose_num_splits for wide heads (the heuristic's 8, 4 and 2 at 64, 128 and 256 sequences were each
+    # slower than the best count on an H200, docs/benchmarks.md); then its expanded K/V
+    timed python3 scripts/bench_attention.py --seqs 64 128 256 --context 4096 --heads 16 --kv-heads 1 \
+        --head-dim 576 --value-dim 512 --splits 2 4 8 16 &&
+    timed python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&
+    # Llama-3-8B's shape, then 8-32 sequences around choose_num_splits' threshold (2 programs per SM)
+    timed python3 scripts/bench_attention.py &&
+    timed python3 scripts/bench_attention.py --seqs 8 16 32 --context 4096 --splits 4 8 16
+} 2>&1 | tee "$OUT/bench_attention.log"
+attention_rc=${PIPESTATUS[0]}
 timed_pytest coverage.log "$PYTHONPATH" tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16
 coverage_rc=$?
