@@ -112,9 +112,9 @@ timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest unt
 timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
 fla_rc=$?
 {
-    # DeepSeek-V2-Lite's cached latent (values the keys' first 512), every split count, to retune
-    # choose_num_splits for wide heads (the heuristic's 8, 4 and 2 at 64, 128 and 256 sequences were each
-    # slower than the best count on an H200, docs/benchmarks.md); then its expanded K/V
+    # DeepSeek-V2-Lite's cached latent (values the keys' first 512), every split count: choose_num_splits
+    # aims wide heads at 8 programs per SM since the H100's and H200's sweeps (docs/benchmarks.md); then its
+    # expanded K/V
     timed python3 scripts/bench_attention.py --seqs 64 128 256 --context 4096 --heads 16 --kv-heads 1 \
         --head-dim 576 --value-dim 512 --splits 2 4 8 16 &&
     timed python3 scripts/bench_attention.py --seqs 256 --context 4096 --heads 16 --kv-heads 16 --head-dim 192 &&

@@ -67,7 +67,7 @@ def simulate_sms(monkeypatch, num_sms: int) -> None:
     """Make the Triton backend choose its KV split counts as on a card of `num_sms` multiprocessors."""
     from workers.engine.attention import triton_backend
     choose = triton_backend.choose_num_splits
-    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:-1], num_sms))
+    monkeypatch.setattr(triton_backend, "choose_num_splits", lambda *args: choose(*args[:4], num_sms, *args[5:]))
 
 
 @functools.cache

@@ -126,8 +126,8 @@ def test_latent_attention_matches_reference(pairs: list[tuple[int, int]], heads:
 
 def test_split_count_counts_a_latent_heads_query_slices() -> None:
     """A latent head's 32 query heads run as two programs per sequence (16 heads each): once a forward has
-    shown that, a decode of 140 sequences fills 132 SMs (280 programs) without splitting its keys; counted
-    by KV heads alone (140 programs) it would split them in two."""
+    shown that, a decode of 140 sequences on 132 SMs (280 programs) splits its keys in two, for about the
+    8 wide programs per SM aimed at; counted by KV heads alone (140 programs) it would split them in four."""
     seqs = 140
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(seqs, dtype=torch.int64, device=DEVICE),
@@ -137,11 +137,11 @@ def test_split_count_counts_a_latent_heads_query_slices() -> None:
     backend = TritonBackend(KvCache.of(torch.zeros(1, 1, 1, 16, 1, 576, device=DEVICE)))
     backend.num_sms = 132
     backend.prepare_metadata(meta)
-    assert backend.num_splits == 2
+    assert backend.wide_heads and backend.num_splits == 4
     q, k = torch.zeros(0, 32, 576, device=DEVICE), torch.zeros(0, 1, 576, device=DEVICE)
     backend.forward(0, q, k, k[..., :512], 1.0, None, None)  # no tokens: the launch configuration only
     backend.prepare_metadata(meta)
-    assert backend.programs_per_seq == 2 and backend.num_splits == 1
+    assert backend.programs_per_seq == 2 and backend.num_splits == 2
 
 
 def test_split_path_chosen_in_prepare_metadata() -> None:
@@ -166,6 +166,16 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(4, 8, 1, 1024, 132) == 4
     assert choose_num_splits(4, 8, 1, 300, 132) == 1
     assert choose_num_splits(16, 8, 1, 8192, 132) == 4
+
+
+@pytest.mark.parametrize("seqs, programs_per_seq, context, splits", [
+    (64, 1, 4096, 16), (128, 1, 4096, 8), (256, 1, 4096, 4), (512, 1, 4096, 2), (1024, 1, 4096, 1),
+    (64, 1, 1024, 4), (64, 8, 4096, 2), (8, 1, 300, 1)])
+def test_wide_heads_aim_at_eight_programs_per_sm(seqs, programs_per_seq, context, splits) -> None:
+    """A cached latent's decode (one wide KV head, or DeepSeek-V3's 8 slices of query heads) is split into
+    about 8 programs per SM, rounded down, where narrow heads of 256 sequences would not split at all."""
+    assert choose_num_splits(seqs, programs_per_seq, 1, context, 132, True) == splits
+    assert choose_num_splits(seqs, programs_per_seq, 2, context, 132, True) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

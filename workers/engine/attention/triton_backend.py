@@ -11,17 +11,27 @@ from workers.engine.kv_cache import KvCache
 
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256
+WIDE_HEAD = 256  # heads wider than this (a cached latent) aim at more programs per SM when split
+WIDE_PROGRAMS_PER_SM = 8
 
 
 def choose_num_splits(num_seqs: int, programs_per_seq: int, max_seqlen_q: int, max_seqlen_k: int,
-                      num_sms: int) -> int:
+                      num_sms: int, wide_heads: bool = False) -> int:
     """KV segments per program (a sequence's KV head, or slice of its query heads) for a step: >1 only for
     decode steps too small to fill the GPU (fewer than two programs per SM) over contexts of at least
-    2 x MIN_SPLIT_TOKENS."""
+    2 x MIN_SPLIT_TOKENS. Programs of `wide_heads` aim at WIDE_PROGRAMS_PER_SM, the count rounded down: at
+    DeepSeek-V2-Lite's latent of 64-256 sequences that was the best count or within 4% of it on an H100 and
+    an H200, where two per SM chose counts up to 27% slower (docs/benchmarks.md)."""
     programs = num_seqs * programs_per_seq
-    if max_seqlen_q != 1 or programs == 0 or programs >= 2 * num_sms:
+    if max_seqlen_q != 1 or programs == 0:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+    if wide_heads:
+        per_program = WIDE_PROGRAMS_PER_SM * num_sms // programs
+        wanted = 1 << (per_program.bit_length() - 1) if per_program else 1
+    elif programs >= 2 * num_sms:
+        return 1
+    else:
+        wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
     by_length = max(1, max_seqlen_k // MIN_SPLIT_TOKENS)
     limit = min(MAX_SPLITS, 1 << (by_length.bit_length() - 1))
     splits = min(wanted, limit)
@@ -75,6 +85,7 @@ class TritonBackend(AttentionBackend):
         self.num_splits = 1
         self.decode_only = False
         self.programs_per_seq = kv_cache.max_kv_heads
+        self.wide_heads = kv_cache.max_head_dim > WIDE_HEAD
 
     def prepare_metadata(self, meta: AttentionMetadata) -> None:
         """Take the step's metadata and choose the decode tiles and the KV split count."""
@@ -83,8 +94,9 @@ class TritonBackend(AttentionBackend):
         self.num_splits = self._splits(meta)
 
     def _splits(self, meta: AttentionMetadata) -> int:
-        return self.num_kv_splits or choose_num_splits(
-            meta.seq_lens.shape[0], self.programs_per_seq, meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms)
+        return self.num_kv_splits or choose_num_splits(meta.seq_lens.shape[0], self.programs_per_seq,
+                                                       meta.max_seqlen_q, meta.max_seqlen_k, self.num_sms,
+                                                       self.wide_heads)
 
     def graph_scalars(self, meta: AttentionMetadata) -> tuple:
         """The split count: the tile shape follows from the decode step and the tensors' shapes."""
@@ -95,7 +107,7 @@ class TritonBackend(AttentionBackend):
         one-sequence decode at `max_model_len` (the most any decode gets), times MIN_SPLIT_TOKENS."""
         if self.num_kv_splits is not None:
             return [max_model_len]
-        top = choose_num_splits(1, self.programs_per_seq, 1, max_model_len, self.num_sms)
+        top = choose_num_splits(1, self.programs_per_seq, 1, max_model_len, self.num_sms, self.wide_heads)
         return [MIN_SPLIT_TOKENS << i for i in range(top.bit_length())]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
