@@ -39,13 +39,14 @@ def conv_update() -> InPlace:
 
 
 def inputs(kv_heads: int, heads: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q, k `[5, 1, kv_heads, 24]`, v `[5, 1, heads, 40]`, g, beta `[5, 1, heads]` and states `[8, heads, 24, 40]`
-    (slot 7 zero): neither width a power of two, the values two of the kernel's tiles."""
-    gen = torch.Generator().manual_seed(seed)
+    """q, k `[5, 1, kv_heads, 24]`, v `[5, 1, heads, V]`, g, beta `[5, 1, heads]` and states `[8, heads, 24, V]`
+    (slot 7 zero), V = BLOCK_V + 8: neither width a power of two, the values two of the kernel's tiles."""
+    from workers.engine.delta_rule_kernel import BLOCK_V  # Triton: imported where the module's skip let it be
+    gen, width = torch.Generator().manual_seed(seed), BLOCK_V + 8
     q, k = (torch.randn(5, 1, kv_heads, 24, generator=gen) for _ in range(2))
-    v = torch.randn(5, 1, heads, 40, generator=gen)
+    v = torch.randn(5, 1, heads, width, generator=gen)
     g, beta = -torch.rand(5, 1, heads, generator=gen), torch.rand(5, 1, heads, generator=gen)
-    states = torch.randn(SLOTS, heads, 24, 40, generator=gen)
+    states = torch.randn(SLOTS, heads, 24, width, generator=gen)
     states[ZERO] = 0
     return tuple(x.to(DEVICE) for x in (q, k, v, g, beta, states))
 
