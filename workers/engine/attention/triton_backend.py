@@ -18,16 +18,16 @@ WIDE_PROGRAMS_PER_SM = 8
 def choose_num_splits(num_seqs: int, programs_per_seq: int, max_seqlen_q: int, max_seqlen_k: int,
                       num_sms: int, wide_heads: bool = False) -> int:
     """KV segments per program (a sequence's KV head, or slice of its query heads) for a step: >1 only for
-    decode steps too small to fill the GPU (fewer than two programs per SM) over contexts of at least
-    2 x MIN_SPLIT_TOKENS. Programs of `wide_heads` aim at WIDE_PROGRAMS_PER_SM, the count rounded down: at
+    decode steps too small to fill the GPU over contexts of at least 2 x MIN_SPLIT_TOKENS. Narrow heads aim
+    at two programs per SM, the count rounded up; `wide_heads` at WIDE_PROGRAMS_PER_SM, rounded down: at
     DeepSeek-V2-Lite's latent of 64-256 sequences that was the best count or within 4% of it on an H100 and
     an H200, where two per SM chose counts up to 27% slower (docs/benchmarks.md)."""
     programs = num_seqs * programs_per_seq
     if max_seqlen_q != 1 or programs == 0:
         return 1
     if wide_heads:
-        per_program = WIDE_PROGRAMS_PER_SM * num_sms // programs
-        wanted = 1 << (per_program.bit_length() - 1) if per_program else 1
+        wanted = WIDE_PROGRAMS_PER_SM * num_sms // programs
+        wanted = 1 << (wanted.bit_length() - 1) if wanted else 1
     elif programs >= 2 * num_sms:
         return 1
     else:
