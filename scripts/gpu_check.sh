@@ -97,8 +97,10 @@ norm_rc=${PIPESTATUS[0]}
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
+    # TRITON_PRINT_AUTOTUNING: which kernels autotune, and for how long, in the first engine's 2-prompt call
+    # (47 s of Qwen3.5's 58 s start-up on an H200, after a warm-up of 0.1 s; fla's, presumably)
     # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
-    PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" \
+    TRITON_PRINT_AUTOTUNING=1 PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" \
         --budget-s $(( budget > 0 ? budget : 0 )) --profile-decode 15 ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
