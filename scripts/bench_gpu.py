@@ -255,12 +255,14 @@ def print_decode(model: str, rows: list[dict], copy_gbs: float) -> str:
 
 
 def print_startup(rows: list[dict]) -> None:
-    """Each engine's start-up by phase: construction's (the runner's `startup_s`), then the 2-prompt call."""
+    """Each engine's start-up by phase: construction's (the runner's `startup_s`, and the rest of it), then
+    the 2-prompt call."""
     for r in rows:
         if phases := r.get("startup_phases_s"):
             parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
-            print(f"{r['system']} start-up {r['startup_s']:.1f} s: {parts}; "
-                  f"the 2-prompt call {r['startup_s'] - sum(phases.values()):.1f}")
+            rest = r["startup_s"] - r["first_call_s"] - sum(phases.values())
+            print(f"{r['system']} start-up {r['startup_s']:.1f} s: {parts}, the rest of construction {rest:.1f}; "
+                  f"the 2-prompt call {r['first_call_s']:.1f}")
 
 
 def capture(row: dict) -> str:

@@ -164,15 +164,17 @@ def sampling_params(w: Workload) -> SamplingParams:
                           ignore_eos=True, seed=0)
 
 
-def start_engine(config: EngineConfig) -> tuple[Engine, float]:
-    """A warm engine and its start-up seconds: construction (load, KV sizing, warm-up, graph capture)
-    plus one 2-prompt call, so the timed call compiles nothing."""
+def start_engine(config: EngineConfig) -> tuple[Engine, float, float]:
+    """A warm engine, its start-up seconds (construction: load, KV sizing, warm-up, graph capture; plus one
+    2-prompt call, so the timed call compiles nothing) and the 2-prompt call's seconds alone."""
     start = time.perf_counter()
     engine = Engine(config)
+    built = time.perf_counter()
     warm = SamplingParams(n=2, max_new_tokens=4, ignore_eos=True)
     engine.generate(make_prompts(2, 8, engine.vocab_size, seed=1), warm)
     engine.reset_prefix_cache()
-    return engine, time.perf_counter() - start
+    done = time.perf_counter()
+    return engine, done - start, done - built
 
 
 def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
@@ -184,7 +186,7 @@ def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict,
         sizes["cpu_offload_gib"] = args.offload_gib
     config = EngineConfig(model=str(path), device=args.device, dtype=args.dtype, **args.engine_extra, **sizes,
                           **options)
-    engine, startup = start_engine(config)
+    engine, startup, first_call = start_engine(config)
     before = engine.stats()
     start = time.perf_counter()
     rows = generate_until(engine, prompts, sampling_params(w), start + (args.window_s or math.inf), args.progress)
@@ -192,6 +194,7 @@ def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict,
     after = engine.stats()
     graphs = getattr(engine.runner, "graphs", None)  # a branch before decode graphs has none
     return {"tokens": sum(len(r["token_ids"]) for r in rows), "seconds": seconds, "startup_s": startup,
+            "first_call_s": first_call,
             "samples_finished": sum(r["finish_reason"] != "abort" for r in rows),
             "cut": any(r["finish_reason"] == "abort" for r in rows),
             "graph_capture_s": getattr(engine.runner, "graph_capture_s", None),
@@ -228,7 +231,7 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     config = EngineConfig(model=str(path), device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE,
                           max_num_seqs=seqs, max_batch_tokens=batch, max_model_len=args.decode_context + grow,
                           **args.engine_extra, **options)
-    engine, startup = start_engine(config)
+    engine, startup, first_call = start_engine(config)
     need = seqs * -(-(args.decode_context + grow) // BLOCK_SIZE)
     if need > engine.pool.num_blocks:
         return {"status": f"skipped: the probe needs {need} KV blocks, the cache holds {engine.pool.num_blocks}"}
@@ -253,6 +256,7 @@ def decode_probe(path: Path, options: dict, args) -> dict:
     runner = engine.runner
     profile = profile_steps(engine.step, args.device, args.profile_decode) if args.profile_decode else None
     return {"status": "ok", "seqs": seqs, "context": context, "ms_per_step": ms, "startup_s": startup,
+            "first_call_s": first_call,
             "startup_phases_s": dict(runner.startup_s), "profile": profile, "weight_bytes": weight_bytes(runner.model),
             "kv_bytes": seqs * context * runner.bytes_per_block / BLOCK_SIZE,
             "state_bytes": 2 * seqs * runner.mixers.nbytes(1)}  # linear layers' states, read and written
