@@ -89,14 +89,17 @@ def rule_ways(x: dict, rule, tiles: list[str]) -> dict:
         x["state"].index_copy_(0, x["slots"], new.to(x["state"].dtype))
         return out
 
-    return {"in place": lambda: gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"],
-                                                   x["slots"], x["slots"], True),
-            "gathered": gathered, "rule": lambda: rule(q, k, x["v"], initial_state=batch, **call)[0],
-            **{f"in place {tile}": tiled(tile, x) for tile in tiles}}
+    def in_place():
+        return gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["slots"], x["slots"],
+                                  True)
+
+    return {"in place": in_place, "gathered": gathered,
+            "rule": lambda: rule(q, k, x["v"], initial_state=batch, **call)[0],
+            **{f"in place {tile}": tiled(tile, in_place) for tile in tiles}}
 
 
-def tiled(tile: str, x: dict):
-    """The in-place kernel with the tile "BVxWARPS", set for each call (a graph's capture is one call)."""
+def tiled(tile: str, in_place):
+    """`in_place` with the kernel's tile "BVxWARPS", set for each call (a graph's capture is one call)."""
     import workers.engine.delta_rule_kernel as kernel
     block_v, warps = map(int, tile.split("x"))
 
@@ -104,8 +107,7 @@ def tiled(tile: str, x: dict):
         default = kernel.BLOCK_V, kernel.NUM_WARPS
         kernel.BLOCK_V, kernel.NUM_WARPS = block_v, warps
         try:
-            return kernel.gated_delta_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], x["slots"],
-                                             x["slots"], True)
+            return in_place()
         finally:
             kernel.BLOCK_V, kernel.NUM_WARPS = default
 
