@@ -89,7 +89,9 @@ timed() {  # timed <command>...: the command, stopped (SIGINT) once GPU_CHECK_TO
     return "$rc"
 }
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
-PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_delta_rule.py 2>&1 | tee "$OUT/bench_delta_rule.log"
+# BENCH_DELTA_ARGS adds its options (e.g. "--tiles 32x4 128x4": the default tile was chosen on an H200)
+# shellcheck disable=SC2086  # BENCH_DELTA_ARGS is a list of options
+PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_delta_rule.py ${BENCH_DELTA_ARGS:-} 2>&1 | tee "$OUT/bench_delta_rule.log"
 delta_rc=${PIPESTATUS[0]}
 # the norms of a decode step, transformers' modules against the fused kernel (about 20 s)
 timed python3 scripts/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log"
