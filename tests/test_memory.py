@@ -91,9 +91,9 @@ def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
 
 
 @pytest.mark.parametrize("cuda_graphs, offload_gib, phases", [
-    ((False, False), 0, ["load", "KV cache", "warm-up"]),
-    ((False, True), 0, ["load", "KV cache", "warm-up", "decode graphs"]),
-    ((False, True), 0.01, ["load", "KV cache", "warm-up", "decode graphs", "CPU pool"])])
+    ((False, False), 0, ["load", "model probe", "KV cache", "warm-up"]),
+    ((False, True), 0, ["load", "model probe", "KV cache", "warm-up", "decode graphs"]),
+    ((False, True), 0.01, ["load", "model probe", "KV cache", "warm-up", "decode graphs", "CPU pool"])])
 def test_start_up_is_logged_by_phase(model_dir, caplog, cuda_graphs, offload_gib, phases):
     """The engine logs its start-up once, in total and by phase (decode graphs and the CPU pool only when
     built)."""

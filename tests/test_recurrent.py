@@ -10,6 +10,7 @@ import torch
 from rollout import SamplingParams
 from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.test_model_coverage import forward_logprobs, greedy_references, prompts_of
+from workers.engine import recurrent
 from workers.engine.recurrent import _segments
 
 # a one-token prompt (its state starts beside decoding ones), short ones, and long ones prefilled in chunks
@@ -138,3 +139,23 @@ def test_a_written_zero_slot_fails_the_integrity_check(zoo_dir):
     states.tensors[(0, "recurrent", 0)][states.zero_slot, 0, 0, 0] = 1.0
     with pytest.raises(AssertionError, match=r"zero state slot was written: \[\(0, 'recurrent', 0\)\]"):
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("name", [MODEL, "mamba2"])
+def test_every_kind_of_mixer_call_is_made_at_start(zoo_dir, monkeypatch, name):
+    """Prefill chunks that start a state and chunks that continue one both run in the start-up's warm-up:
+    on a GPU, fla compiles and autotunes the kernels of each on first use (18 s for a chunk that reads a
+    state, on an H100), which must not stall a request. (Decode batches run when the decode graphs are
+    captured, on CUDA only.)"""
+    kinds = set()
+
+    def spy(states, rows, fresh, *args) -> recurrent.SlotView:
+        kinds.add("decode" if isinstance(fresh, torch.Tensor) else "fresh" if fresh else "continued")
+        return view(states, rows, fresh, *args)
+
+    view = recurrent.SlotView
+    monkeypatch.setattr(recurrent, "SlotView", spy)
+    engine = make_engine(zoo_dir(name), block_size=8, max_batch_tokens=16, max_num_seqs=8)
+    at_start = set(kinds)
+    run(engine, prompts_of(LENGTHS), SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
+    assert at_start == {"fresh", "continued"} and kinds == at_start | {"decode"}

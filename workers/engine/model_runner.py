@@ -71,7 +71,8 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         with startup_phase(self.startup_s, "load", self.device):
             self.model = load_model(config)
-        self.layout, self.mixers = adapt_model(self.model)
+        with startup_phase(self.startup_s, "model probe", self.device):  # fla autotunes its kernels here
+            self.layout, self.mixers = adapt_model(self.model)
         self.rope_switch_length = rope_switch_length(self.model)
         self.decode_graphs = resolve(config)[1]
         hf = self.model.config.get_text_config(decoder=True)
@@ -195,10 +196,13 @@ class ModelRunner:
 
     def _warmup(self) -> None:
         """A two-token step through every layer, so a model our attention can't serve fails at load, and
-        the kernels of prefill steps are compiled before the first; without decode graphs (which warm
-        their own), the eager decode kernels too."""
+        the kernels of prefill steps are compiled before the first; with per-sequence state, a second that
+        continues it (prefill kernels that read a state: fla autotunes them apart, 18 s on an H100); without
+        decode graphs (which warm their own), the eager decode kernels too."""
         try:
             self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens)))
+            if self.states is not None:
+                self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens, context=2)))
             if not self.decode_graphs:
                 self._warm_decode()
         except NotImplementedError as err:

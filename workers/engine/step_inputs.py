@@ -86,17 +86,20 @@ def _token_ids(seqs: list[Sequence], starts: np.ndarray, num_tokens: list[int], 
     return [t for seq, a, n in zip(seqs, starts, num_tokens) for t in seq.token_ids[a:a + n]]
 
 
-def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: int = 0) -> StepPlan:
-    """A synthetic step: one sequence of `num_tokens` prompt tokens over blocks 0, 1, ... (and row 0's
-    ring, of `ring_tokens`), and `num_rows` sampling rows with every filter on (the sampler's most
-    memory-hungry path)."""
-    width = cdiv(num_tokens, block_size)
+def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: int = 0,
+                 context: int = 0) -> StepPlan:
+    """A synthetic step: one sequence of `num_tokens` prompt tokens after `context` cached ones, over
+    blocks 0, 1, ... (and row 0's ring, of `ring_tokens`), and `num_rows` sampling rows with every filter
+    on (the sampler's most memory-hungry path)."""
+    length = context + num_tokens
+    width = cdiv(length, block_size)
     keep = np.arange(max(0, num_tokens - num_rows), num_tokens, dtype=np.int64)
     uniform = np.linspace(0, 1, num_rows, endpoint=False)
     full = np.ones(num_rows)
-    arrays = {"ids": np.zeros(num_tokens, np.int64), "positions": np.arange(num_tokens, dtype=np.int64),
-              "slots": np.arange(num_tokens, dtype=np.int64), "cu_seqlens_q": np.array([0, num_tokens], np.int32),
-              "seq_lens": np.array([num_tokens], np.int32), "rows": np.zeros(1, np.int64), "keep": keep,
+    positions = np.arange(context, length, dtype=np.int64)
+    arrays = {"ids": np.zeros(num_tokens, np.int64), "positions": positions,
+              "slots": positions.copy(), "cu_seqlens_q": np.array([0, num_tokens], np.int32),
+              "seq_lens": np.array([length], np.int32), "rows": np.zeros(1, np.int64), "keep": keep,
               "logits_rows": np.arange(num_rows, dtype=np.int64) % keep.size,
               "table_cells": np.zeros(0, np.int64), "table_values": np.zeros(0, np.int32),
               "temperature": (0.7 * full).astype(np.float32), "top_k": (50 * full).astype(np.int64),
@@ -107,4 +110,4 @@ def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: i
     flags = SamplingFlags(scale=True, max_top_k=50, top_k1=False, top_p=True, min_p=True, all_greedy=False,
                           any_greedy=False, any_raw=False)
     tables = torch.arange(width, dtype=torch.int32)[None]
-    return StepPlan(arrays, flags, num_rows, width, num_tokens, num_tokens, expand=True, tables=tables)
+    return StepPlan(arrays, flags, num_rows, width, num_tokens, length, expand=True, tables=tables)
