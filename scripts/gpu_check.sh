@@ -19,6 +19,8 @@
 #   then, in this order, each stopped (SIGINT) once GPU_CHECK_TOTAL_S (default 560) seconds have passed since
 #   the start, so that the check fits one 600 s device call (a session gets 900 s of device time: what comes
 #   first is what matters most):
+#   - tests/test_fla.py with flash-linear-attention on the path (below; first, since the benches cut it off in two sessions): hybrids through fla's kernels on the
+#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
 #     and its convolution update; scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
 #     against the fused kernel;
@@ -28,18 +30,17 @@
 #     GPU_CHECK_BUDGET_S (default 450) seconds have passed since this script began; BENCH_GPU_ARGS adds or
 #     replaces its options (e.g. "--models qwen3.5 --systems engine-on"), SKIP_BENCH_GPU=1 leaves it out. The
 #     random models are saved once under $BENCH_GPU_CACHE (default /tmp/bench_gpu_models);
-#   - tests/test_fla.py with flash-linear-attention on the path (below): hybrids through fla's kernels on the
-#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
 #   - scripts/bench_attention.py: decode kernel time and bandwidth against the card's copy bandwidth
 #     (DeepSeek-V2-Lite's cached latent and expanded K/V, then Llama-3-8B's shape, also at 8-32 sequences
 #     around the split-KV threshold);
 #   - every accepted model family stays exact through captured decode graphs in float32, and the MoE
 #     families in bfloat16, the one dtype their experts (torch._grouped_mm) capture in
 #     (tests/test_model_coverage.py).
-#   A step the limit cuts says so in its log; being cut is no failure. Times on an H200 (2026-11-26, sixth GPU
-#   session): the engine tests 170 s (203 s from the start), bench_delta_rule, bench_norm, bench_gpu's Qwen3.5
-#   decode and multi_return_seq (engine-on; 80 s of it writing the model and starting the first engine) and
-#   bench_attention together 322 s; on an H100: test_fla 151 s; the graph tests of all 90 families about 150 s.
+#   A step the limit cuts says so in its log; being cut is no failure. Times on an H100 (2026-11-27, seventh GPU
+#   session): the engine tests 205 s; bench_delta_rule with 5 more tiles, bench_norm and bench_gpu's Qwen3.5
+#   decode (engine-on: 29 s writing the model, 66 s starting the first engine, 52 s of it fla's autotuning)
+#   about 270 s; on an H200 (sixth): the engine tests 170 s, the benches and bench_attention together 322 s;
+#   earlier on an H100: test_fla 151 s, the graph tests of all 90 families about 150 s.
 #   Eight log files, the most a device call brings back.
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec (and flash-linear-attention,
 # whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
@@ -88,6 +89,15 @@ timed() {  # timed <command>...: the command, stopped (SIGINT) once GPU_CHECK_TO
     [ "$rc" = 124 ] && echo "$label: stopped at GPU_CHECK_TOTAL_S=${GPU_CHECK_TOTAL_S:-560} s"
     return "$rc"
 }
+# SIGINT lets pytest still report what ran and what failed; fla's kernels autotune on first use (test_fla:
+# 151 s for its 9 tests on an H100)
+timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest until GPU_CHECK_TOTAL_S
+    local log=$1 path=$2; shift 2
+    PYTHONPATH=$path timed python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log"
+    return "${PIPESTATUS[0]}"
+}
+timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
+fla_rc=$?
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
 # BENCH_DELTA_ARGS adds its options (e.g. "--tiles 32x4 128x4": the default tile was chosen on an H200)
 # shellcheck disable=SC2086  # BENCH_DELTA_ARGS is a list of options
@@ -99,22 +109,13 @@ norm_rc=${PIPESTATUS[0]}
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
-    # TRITON_PRINT_AUTOTUNING: which kernels autotune, and for how long, in the first engine's 2-prompt call
-    # (47 s of Qwen3.5's 58 s start-up on an H200, after a warm-up of 0.1 s; fla's, presumably)
+    # TRITON_PRINT_AUTOTUNING: which kernels autotune, and for how long (fla's, in the first engine's model
+    # probe: 52 s of Qwen3.5's 66 s start-up on an H100)
     # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
     TRITON_PRINT_AUTOTUNING=1 PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" \
         --budget-s $(( budget > 0 ? budget : 0 )) --profile-decode 15 ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
-# SIGINT lets pytest still report what ran and what failed; fla's kernels autotune on first use (test_fla:
-# 151 s for its 9 tests on an H100)
-timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest until GPU_CHECK_TOTAL_S
-    local log=$1 path=$2; shift 2
-    PYTHONPATH=$path timed python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log"
-    return "${PIPESTATUS[0]}"
-}
-timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
-fla_rc=$?
 {
     # DeepSeek-V2-Lite's cached latent (values the keys' first 512), every split count: choose_num_splits
     # aims wide heads at 8 programs per SM since the H100's and H200's sweeps (docs/benchmarks.md); then its

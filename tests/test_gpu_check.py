@@ -42,7 +42,7 @@ def test_steps_run_in_order_and_pass(tmp_path):
     rc, steps, out = run_check(tmp_path)
     assert rc == 0, out
     assert list(dict.fromkeys(steps)) == [
-        "test_triton_kernels.py", "bench_delta_rule.py", "bench_norm.py", "bench_gpu.py", "test_fla.py",
+        "test_triton_kernels.py", "test_fla.py", "bench_delta_rule.py", "bench_norm.py", "bench_gpu.py",
         "bench_attention.py", "test_model_coverage.py"]
     assert steps.count("bench_attention.py") == 4
     assert {"tests.log", "bench_gpu.log", "fla.log", "coverage.log"} <= set(os.listdir(tmp_path / "out"))
@@ -61,7 +61,7 @@ def test_a_step_past_the_limit_is_stopped_and_the_rest_not_started(tmp_path):
     assert rc == 0, out
     assert steps[-1] == "bench_gpu.py" and "bench_attention.py" not in steps
     assert "bench_gpu.py: stopped at GPU_CHECK_TOTAL_S=3 s" in out
-    assert "tests/test_fla.py: not started" in out and "bench_gpu exit 124" in out
+    assert "scripts/bench_attention.py: not started" in out and "bench_gpu exit 124" in out
 
 
 def test_skip_bench_gpu_leaves_it_out(tmp_path):
