@@ -19,10 +19,11 @@
 #   then, in this order, each stopped (SIGINT) once GPU_CHECK_TOTAL_S (default 560) seconds have passed since
 #   the start, so that the check fits one 600 s device call (a session gets 900 s of device time: what comes
 #   first is what matters most):
-#   - tests/test_fla.py with flash-linear-attention on the path (below; first, since the benches cut it off in two sessions): hybrids through fla's kernels on the
-#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla;
+#   - tests/test_fla.py with flash-linear-attention on the path (below): hybrids through fla's kernels on the
+#     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla
+#     (first of these, since the benches cut off its GPU tests in two sessions);
 #   - scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
-#     and its convolution update; scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
+#     and its convolution update (BENCH_DELTA_ARGS adds options, e.g. --tiles); scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
 #     against the fused kernel;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
