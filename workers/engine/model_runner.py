@@ -92,18 +92,23 @@ class ModelRunner:
             self.num_blocks = self._size_cache()
             self.kv_cache = self._new_cache(self.num_blocks)
         self.backend = create_backend(config.attention_backend, self.kv_cache)
-        cuda_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        runs_triton = cuda_triton or self.backend.runs_triton  # where Triton kernels run beside attention
-        self.mixers.in_place = runs_triton  # delta_rule.py's kernels
-        self.fused_norms = Counter()  # norm modules of each class that run as one kernel (fused_norm.py)
-        if runs_triton:
-            with startup_phase(self.startup_s, "fused norms", self.device):
-                self.fused_norms = fuse_norms(self.model)
+        self._install_triton_kernels()
         with startup_phase(self.startup_s, "warm-up", self.device):
             self._warmup()
         if self.decode_graphs:
             with startup_phase(self.startup_s, "decode graphs", self.device):
                 self.graphs = self._capture_graphs()
+
+    def _install_triton_kernels(self) -> None:
+        """Where Triton runs (CUDA, or an attention backend that runs it), linear-attention layers update their
+        states in place (delta_rule.py) and RMS norms run as one kernel (fused_norm.py)."""
+        cuda_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        runs_triton = cuda_triton or self.backend.runs_triton
+        self.mixers.in_place = runs_triton
+        self.fused_norms = Counter()  # norm modules of each class that run as one kernel
+        if runs_triton:
+            with startup_phase(self.startup_s, "fused norms", self.device):
+                self.fused_norms = fuse_norms(self.model)
 
     def log_startup(self) -> None:
         """Log the start-up once it is complete, in total and by phase (`startup_s`)."""
