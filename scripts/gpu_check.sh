@@ -23,7 +23,8 @@
 #     card give `generate`'s tokens there, Mamba models stay transformers', the CPU is refused naming fla
 #     (first of these, since the benches cut off its GPU tests in two sessions);
 #   - scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
-#     and its convolution update (BENCH_DELTA_ARGS adds options, e.g. --tiles); scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
+#     and its convolution update (BENCH_DELTA_ARGS adds options, e.g. "--tiles 32x4 128x4": the default tile
+#     was chosen on an H200); scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
 #     against the fused kernel;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
@@ -100,9 +101,9 @@ timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest unt
 timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
 fla_rc=$?
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
-# BENCH_DELTA_ARGS adds its options (e.g. "--tiles 32x4 128x4": the default tile was chosen on an H200)
 # shellcheck disable=SC2086  # BENCH_DELTA_ARGS is a list of options
-PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_delta_rule.py ${BENCH_DELTA_ARGS:-} 2>&1 | tee "$OUT/bench_delta_rule.log"
+PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_delta_rule.py ${BENCH_DELTA_ARGS:-} 2>&1 |
+    tee "$OUT/bench_delta_rule.log"
 delta_rc=${PIPESTATUS[0]}
 # the norms of a decode step, transformers' modules against the fused kernel (about 20 s)
 timed python3 scripts/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log"
@@ -113,8 +114,9 @@ if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     # TRITON_PRINT_AUTOTUNING: which kernels autotune, and for how long (fla's, in the first engine's model
     # probe: 52 s of Qwen3.5's 66 s start-up on an H100)
     # shellcheck disable=SC2086  # BENCH_GPU_ARGS is a list of options
-    TRITON_PRINT_AUTOTUNING=1 PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_gpu.py --no-progress --json "$OUT/bench_gpu.json" \
-        --budget-s $(( budget > 0 ? budget : 0 )) --profile-decode 15 ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/bench_gpu.log"
+    TRITON_PRINT_AUTOTUNING=1 PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_gpu.py --no-progress \
+        --json "$OUT/bench_gpu.json" --budget-s $(( budget > 0 ? budget : 0 )) --profile-decode 15 ${BENCH_GPU_ARGS:-} \
+        2>&1 | tee "$OUT/bench_gpu.log"
     gpu_rc=${PIPESTATUS[0]}
 fi
 {
