@@ -134,11 +134,11 @@ attention_rc=${PIPESTATUS[0]}
 timed_pytest coverage.log "$PYTHONPATH" tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16
 coverage_rc=$?
-echo "pytest exit $tests_rc, bench_delta_rule exit $delta_rc, bench_norm exit $norm_rc, bench_gpu exit $gpu_rc," \
-    "bench_attention exit $attention_rc, test_fla exit $fla_rc, coverage exit $coverage_rc (124: stopped at" \
+echo "pytest exit $tests_rc, test_fla exit $fla_rc, bench_delta_rule exit $delta_rc, bench_norm exit $norm_rc," \
+    "bench_gpu exit $gpu_rc, bench_attention exit $attention_rc, coverage exit $coverage_rc (124: stopped at" \
     "GPU_CHECK_TOTAL_S)"
 failed=$tests_rc
-for rc in $delta_rc $norm_rc $gpu_rc $attention_rc $fla_rc $coverage_rc; do
+for rc in $fla_rc $delta_rc $norm_rc $gpu_rc $attention_rc $coverage_rc; do
     [ "$rc" != 0 ] && [ "$rc" != 124 ] && failed=1
 done
 exit $((failed != 0))
