@@ -7,6 +7,7 @@ feeds `tl.dot` with `G` rows. Programs map to (sequence, tile) by a binary searc
 `cu_seqlens_q`, so every launch grid follows from tensor shapes and compile-time constants only
 (CUDA-graph safe). With `num_splits > 1` each program covers one segment of the keys and writes a
 partial result (unnormalised accumulator, running max, running sum); a second kernel merges them.
+Tokens past the last sequence's (a decode graph's padding, one query per tile) get zeros as their output.
 Attention sinks (a logit per query head in every softmax's denominator, with no value) join once, where
 the softmax is normalised: in the single pass, or in the merge.
 Values may be narrower than keys (latent attention, workers/engine/latent.py: one KV head whose values are
@@ -177,6 +178,9 @@ def _paged_attention_kernel(
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     tile = pid - _tile_start(cu_q_ptr, seq, BLOCK_Q)
     if tile * BLOCK_Q >= q_len:
+        if BLOCK_Q == 1 and NUM_SPLITS == 1:  # program `pid` is padding token `pid`'s (a decode graph's)
+            _store_zeros(out_ptr, pid.to(tl.int64), first_head, stride_ot, stride_oh, G_TILE, BLOCK_M, V_DIM,
+                         V_PAD)
         return
     rows = tl.arange(0, BLOCK_M)
     q_idx = tile * BLOCK_Q + rows // G_TILE
@@ -214,6 +218,18 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _store_zeros(out_ptr, token, first_head, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                 HEADS_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr):
+    """Zeros as `token`'s output in heads [first_head, first_head + NUM_HEADS): a padding token attends to
+    nothing, and a row left unwritten would hold whatever the allocator last put there."""
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, V_PAD)
+    zeros = tl.zeros([HEADS_PAD, V_PAD], dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_ot + (first_head + heads)[:, None] * stride_oh + dims[None, :], zeros,
+             mask=(heads < NUM_HEADS)[:, None] & (dims < V_DIM)[None, :])
+
+
+@triton.jit
 def _store_partial(acc, m_i, l_i, part_acc_ptr, part_stats_ptr, token, head, dims, row_ok, io_mask,
                    num_heads, V_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Write one KV segment's unnormalised accumulator and (max, sum) for the merge kernel."""
@@ -230,6 +246,7 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_stats_ptr, sinks_ptr, cu_q_
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(cu_q_ptr + num_seqs):
+        _store_zeros(out_ptr, token, head, stride_ot, stride_oh, 1, 1, HEAD_DIM, HEAD_PAD)
         return
     part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_PAD)
