@@ -2,15 +2,15 @@
 
 A decode step (one new token for each sequence) is padded to the smallest batch bucket that holds it:
 padding tokens have slot -1 (never written), padding sequences have length 0 (`cu_seqlens_q` plateaus at the
-real count) and zero block-table rows; the Triton kernels write zeros as padding tokens' attention output,
-so no padding row computes on what a previous replay left there. Its key is (batch bucket, KV bucket), the
-KV bucket being `max_seqlen_k` rounded up to a power of two of at least MIN_KV_BUCKET. Every host scalar a
-backend bakes into a launch is a function of the key (the torch backend's gather width, the Triton backend's
-split count), never of the step's own lengths, so a graph captured at a key is exact for every step with
-that key. A key without the KV bucket is the bug of transformers #45323: a graph captured for short
-sequences replayed for long ones. Keys of one batch bucket whose scalars are equal (the backend's
-`graph_scalars`: the Triton split count, which is 1 at every KV bucket once a batch fills the GPU) share one
-graph, so far fewer graphs are captured than there are keys.
+real count) and zero block-table rows. Their attention output is defined, so no padding row computes on what
+a previous replay left there: the torch backend attends each to key 0 of block 0, the Triton kernels write
+zeros. A step's key is (batch bucket, KV bucket), the KV bucket being `max_seqlen_k` rounded up to a power of two
+of at least MIN_KV_BUCKET. Every host scalar a backend bakes into a launch is a function of the key (the
+torch backend's gather width, the Triton backend's split count), never of the step's own lengths, so a graph
+captured at a key is exact for every step with that key. A key without the KV bucket is the bug of
+transformers #45323: a graph captured for short sequences replayed for long ones. Keys of one batch bucket
+whose scalars are equal (the backend's `graph_scalars`: the Triton split count, which is 1 at every KV
+bucket once a batch fills the GPU) share one graph, so far fewer graphs are captured than there are keys.
 
 On CUDA every graph is captured at start. On the CPU the same path runs eagerly: the static buffers are
 refilled and the forward runs with the metadata its key was given at "capture", not recomputed.
