@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts, run
 from tests.test_engine_parity import exact_distribution, reference_logprobs
+from workers.engine import sampler
 from workers.engine.sampler import expanded_rows, sample, sampling_arrays, sampling_batch
 from workers.engine.sequence import Group, Sequence
 
@@ -145,6 +146,29 @@ def test_top_k_1_is_exactly_greedy_on_tied_logits():
     arrays, flags = sampling_arrays(values, keys, np.arange(64))
     tokens, logprobs = sample(logits, sampling_batch({k: torch.from_numpy(v) for k, v in arrays.items()}, flags))
     assert tokens.tolist() == [2] * 64 and logprobs.tolist() == [0.0] * 64
+
+
+@pytest.mark.parametrize("mate", [dict(top_k=12), dict(top_k=1), dict(top_p=0.5), dict(min_p=0.1),
+                                  dict(temperature=0.5), dict(temperature=0.0), dict(logprobs_mode="raw")], ids=str)
+def test_rows_that_filter_nothing_are_sampled_alike_whatever_their_batch_mates_ask(mate):
+    """Rows at temperature 1 with no filter get the same filtered logits, tokens and logprobs alone as beside a
+    row that filters. Over a peaked 150k vocabulary, float32 sums of the sorted probabilities reach 1 long
+    before the tail, so a top-p of 1 must mean no top-p at all."""
+    torch.manual_seed(0)
+    logits = torch.randn(9, 151_936) * 4
+    logits[:, :10] += 25
+    plain = [_seq(SamplingParams(temperature=1.0, seed=s)) for s in range(8)]
+    alone, mixed = _batch(plain), _batch(plain + [_seq(SamplingParams(seed=99, **mate))])
+    assert torch.equal(sampler.filtered_logits(logits[:8], alone), sampler.filtered_logits(logits, mixed)[:8])
+    tokens, logprobs = sample(logits[:8], alone)
+    mixed_tokens, mixed_logprobs = sample(logits, mixed)
+    assert torch.equal(tokens, mixed_tokens[:8]) and torch.equal(logprobs, mixed_logprobs[:8])
+
+
+def _batch(seqs: list[Sequence]) -> sampler.SamplingBatch:
+    values, keys, _ = expanded_rows(seqs)
+    arrays, flags = sampling_arrays(values, keys, np.arange(len(seqs)))
+    return sampling_batch({k: torch.from_numpy(v) for k, v in arrays.items()}, flags)
 
 
 def _seq(params: SamplingParams) -> Sequence:

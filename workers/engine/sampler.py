@@ -83,7 +83,7 @@ def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if f.top_p:
         probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
         before = probs.cumsum(dim=-1) - probs
-        drop_sorted = before >= b.top_p[:, None]
+        drop_sorted = (before >= b.top_p[:, None]) & (b.top_p < 1)[:, None]  # float32 sums reach 1 early
         x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
     if f.min_p:
         probs = torch.softmax(x, dim=-1)
