@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test]'
 python3 -m ruff check .
-python3 -m pytest -q "$@"
+# Two test processes (pytest-xdist; CI's machine has 2 cores), one torch thread each (tests/conftest.py).
+# Arguments go to pytest, `-n 0` among them runs every test in this process.
+python3 -m pytest -q -n 2 "$@"

@@ -11,6 +11,8 @@ import torch
 import transformers
 
 ON_GPU = torch.cuda.is_available()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel test processes share the cores: one torch thread each
+    torch.set_num_threads(1)
 # Triton kernels run in its interpreter on a machine without CUDA; set before anything imports triton.
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
