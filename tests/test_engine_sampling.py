@@ -142,9 +142,7 @@ def test_top_k_1_is_exactly_greedy_on_tied_logits():
     distribution's logprob 0, whatever the row's uniform number."""
     logits = torch.zeros(64, 8)
     logits[:, [2, 5]] = 3.0
-    values, keys, _ = expanded_rows([_seq(SamplingParams(top_k=1, seed=s)) for s in range(64)])
-    arrays, flags = sampling_arrays(values, keys, np.arange(64))
-    tokens, logprobs = sample(logits, sampling_batch({k: torch.from_numpy(v) for k, v in arrays.items()}, flags))
+    tokens, logprobs = sample(logits, _batch([_seq(SamplingParams(top_k=1, seed=s)) for s in range(64)]))
     assert tokens.tolist() == [2] * 64 and logprobs.tolist() == [0.0] * 64
 
 
