@@ -42,7 +42,8 @@
 #   session): the engine tests 205 s; bench_delta_rule with 5 more tiles, bench_norm and bench_gpu's Qwen3.5
 #   decode (engine-on: 29 s writing the model, 66 s starting the first engine, 52 s of it fla's autotuning)
 #   about 270 s; on an H200 (sixth): the engine tests 170 s, the benches and bench_attention together 322 s;
-#   earlier on an H100: test_fla 151 s, the graph tests of all 90 families about 150 s.
+#   earlier on an H100: test_fla 151 s (TF32), the graph tests of all 90 families about 150 s; on an H200 (eighth):
+#   the engine tests 177 s, then test_fla in IEEE float32 cut at 214 s inside its first GPU test, fla autotuning.
 #   Eight log files, the most a device call brings back.
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec (and flash-linear-attention,
 # whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
@@ -98,7 +99,9 @@ timed_pytest() {  # timed_pytest <log> <pythonpath> <pytest args>...: pytest unt
     PYTHONPATH=$path timed python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$log"
     return "${PIPESTATUS[0]}"
 }
-timed_pytest fla.log "$PYTHONPATH$fla" tests/test_fla.py
+# -v and TRITON_PRINT_AUTOTUNING: a run the limit cuts still says which tests passed and which of fla's kernels
+# autotuned for how long (the eighth GPU session cut its first GPU test after 200 s with neither in the log)
+TRITON_PRINT_AUTOTUNING=1 timed_pytest fla.log "$PYTHONPATH$fla" -v --durations=0 tests/test_fla.py
 fla_rc=$?
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
 # shellcheck disable=SC2086  # BENCH_DELTA_ARGS is a list of options
