@@ -29,14 +29,20 @@ class WeightKeeper:
     async def keep_export(self, worker: ActorHandle, update: WeightUpdate) -> WeightUpdate:
         """Keep a copy of `worker`'s weights, owned by this keeper, as the replay source of broadcast `update`;
         returns that source."""
-        size, arrays = worker.export_weights.remote()
-        await size
-        self.latest = msgspec.structs.replace(update, transport="object_store", arrays=arrays, buckets=[])
+        self.latest = await exported(worker, update)
         return self.latest
 
     def recall(self) -> WeightUpdate | None:
         """The replay source kept last (None before any update)."""
         return self.latest
+
+
+async def exported(worker: ActorHandle, update: WeightUpdate) -> WeightUpdate:
+    """`update` as an object-store update of a copy of `worker`'s weights, in the names and dtypes the worker
+    exported them in (a broadcast may have named them as the checkpoint does), owned by the caller."""
+    tensors, arrays = worker.export_weights.remote()
+    return msgspec.structs.replace(update, transport="object_store", tensors=await tensors, arrays=arrays,
+                                   buckets=[])
 
 
 def start_keeper(config: ServiceConfig) -> ActorHandle:

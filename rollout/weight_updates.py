@@ -15,6 +15,7 @@ from ray.exceptions import RayActorError
 
 from rollout.config import ServiceConfig
 from rollout.pool import WorkerPool
+from rollout.weight_keeper import exported
 from workers.messages import BACKENDS, WeightGroup, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,7 @@ class WeightUpdates:
         """A copy of the worker's weights as an object-store update, owned by the keeper if there is one."""
         if self.keeper is not None:
             return await self.keeper.keep_export.remote(handle, replay)
-        size, arrays = handle.export_weights.remote()
-        await size
-        return msgspec.structs.replace(replay, transport="object_store", arrays=arrays, buckets=[])
+        return await exported(handle, replay)
 
     async def recall(self) -> None:
         """Take the keeper's replay source as the latest update (a service restarted after a crash)."""

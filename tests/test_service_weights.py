@@ -168,11 +168,13 @@ def test_refused_checkpoint_and_bad_arguments_fail_at_the_call(client, policies,
 
 def test_killed_worker_is_replaced_with_the_current_weights(client, policies, states, sync):
     """The replay source of a broadcast update is a copy exported by worker 0; killing worker 0 itself
-    shows that the copy outlives it."""
+    shows that the copy outlives it. The update names its tensors as the base model does (no `model.`), which
+    the engine maps to its own names: the copy is in the engine's names, and the replay must say so."""
     old, new = policies
     set_weights(old)
     version = next(_versions)
-    rollout.update_weights(states[new], version, transport="broadcast")
+    rollout.update_weights({name.removeprefix("model."): t for name, t in states[new].items()}, version,
+                           transport="broadcast")
     ray.kill(ray.get_actor("rollout-worker-0", namespace="rollout"), no_restart=True)
     deadline = time.monotonic() + 90
     while sorted(stats := client.stats()) != [0, 1]:

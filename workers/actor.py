@@ -95,9 +95,8 @@ class RolloutWorker:
         await asyncio.to_thread(self.weights.join, group, rank, ray.util.get_node_ip_address())
 
     @ray.method(num_returns=2)
-    async def export_weights(self) -> tuple[int, dict[str, np.ndarray]]:
-        """The engine's weights as numpy arrays, and first their size in bytes. As return values they are
-        owned by the caller, so they outlive this worker: the service keeps them to replay a broadcast update
-        into a replacement worker."""
-        arrays = await self.weights.export()
-        return sum(a.nbytes for a in arrays.values()), arrays
+    async def export_weights(self) -> tuple[list[TensorMeta], dict[str, np.ndarray]]:
+        """The engine's weights as numpy arrays, and first their names, dtypes and shapes. As return values
+        they are owned by the caller, so they outlive this worker: the service keeps them to replay a broadcast
+        update into a replacement worker."""
+        return await self.weights.export()

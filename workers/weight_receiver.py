@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rollout.params import WeightSource
 from workers.loop import EngineLoop
 from workers.messages import TensorMeta, WeightGroup, WeightUpdate
-from workers.weight_format import empty_bucket, from_numpy, meta_state, to_numpy, unpack
+from workers.weight_format import describe, empty_bucket, from_numpy, meta_state, to_numpy, unpack
 from workers.weight_group import broadcast, group_device, join_store, open_group
 
 
@@ -36,9 +36,13 @@ class WeightReceiver:
         source = await self.source(update)
         await asyncio.wrap_future(self.loop.update(source, update.version, update.mode))
 
-    async def export(self) -> dict[str, np.ndarray]:
-        """The engine's current weights as numpy arrays (views of CPU parameters; see `to_numpy`)."""
-        return await asyncio.wrap_future(self.loop.submit(lambda: to_numpy(self.loop.engine.state_dict())))
+    async def export(self) -> tuple[list[TensorMeta], dict[str, np.ndarray]]:
+        """The engine's current weights as numpy arrays (views of CPU parameters; see `to_numpy`), with their
+        metadata: the engine's own names, whatever names the update that set them came in."""
+        def export() -> tuple[list[TensorMeta], dict[str, np.ndarray]]:
+            state = self.loop.engine.state_dict()
+            return describe(state), to_numpy(state)
+        return await asyncio.wrap_future(self.loop.submit(export))
 
     def join(self, group: WeightGroup, rank: int, host: str) -> None:
         """Join (or join anew) the broadcast group as `rank`, listening on `host`; blocks until every rank
