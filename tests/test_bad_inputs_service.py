@@ -190,6 +190,8 @@ def test_weights_of_wrong_names_shapes_or_dtypes_are_refused(service, weights, d
     (5, dict(version=1), "got int", ValueError, "source of a wrong type"),
     ({}, dict(version=1), "non-empty state dict", ValueError, "empty state dict"),
     ({"w": [1.0]}, dict(version=1), "state dict entry 'w' is a list", ValueError, "entry not a tensor"),
+    ({"w": torch.empty(2, device="meta")}, dict(version=1), "state dict entry 'w' is a meta tensor", ValueError,
+     "entry without values"),
     ("/nonexistent/ckpt", dict(version=1), "checkpoint '/nonexistent/ckpt' is not a directory", ValueError,
      "missing checkpoint directory"),
 ])

@@ -63,7 +63,8 @@ def test_a_root_never_equals_a_one_token_block_of_older_weights(policies):
     (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected 'extra'"),
     (lambda sd: sd.update({"model.norm.weight": torch.zeros(3)}), r"'model.norm.weight' has shape \(3,\)"),
     (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].half()}), "dtype torch.float16"),
-], ids=["missing", "unexpected", "shape", "dtype"])
+    (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].to("meta")}), "'lm_head.weight' is a meta tensor"),
+], ids=["missing", "unexpected", "shape", "dtype", "meta"])
 def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
     old, new = policies
     prompt = random_prompts(1, 512, (12, 12), seed=51)[0]

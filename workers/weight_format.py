@@ -32,12 +32,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def check_state_dict(state: object) -> Mapping[str, torch.Tensor]:
-    """`state` itself if it is a non-empty mapping of names to tensors; ValueError otherwise."""
+    """`state` itself if it is a non-empty mapping of names to tensors that hold values; ValueError otherwise."""
     if not isinstance(state, Mapping) or not state:
         raise ValueError(f"weights must be a non-empty state dict (name -> torch.Tensor), got {type(state).__name__}")
     bad = next((name for name, t in state.items() if not isinstance(t, torch.Tensor)), None)
     if bad is not None:
         raise ValueError(f"state dict entry {bad!r} is a {type(state[bad]).__name__}, not a torch.Tensor")
+    empty = next((name for name, t in state.items() if t.is_meta), None)
+    if empty is not None:
+        raise ValueError(f"state dict entry {empty!r} is a meta tensor: it has no values")
     return state
 
 

@@ -158,7 +158,7 @@ class Engine:
     def validate_weights(self, source: WeightSource) -> None:
         """Raise the ValueError `update_weights` would (names, shapes, dtypes); copies nothing. Tensors on
         the "meta" device are enough."""
-        check_weights(self.runner.model, load_source(source))
+        check_weights(self.runner.model, load_source(source), values=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's current weights by name (the parameters themselves, not copies)."""

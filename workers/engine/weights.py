@@ -70,11 +70,13 @@ def _convert(model: torch.nn.Module, first: str, converter: WeightConverter) -> 
     return {name: value[0] if isinstance(value, list) else value for name, value in made.items()}
 
 
-def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
+                  values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs for every entry of the model's state dict, the source given in the model's
     names or its checkpoint's; ValueError listing every missing or unexpected name and every shape or dtype
-    mismatch, before anything is copied. Names the model lacks that transformers ignores on load (Qwen3.5's
-    vision tower and multi-token-prediction head, for its text-only causal LM) are ignored here too."""
+    mismatch (and, with `values`, every tensor on the "meta" device, which has none), before anything is
+    copied. Names the model lacks that transformers ignores on load (Qwen3.5's vision tower and
+    multi-token-prediction head, for its text-only causal LM) are ignored here too."""
     targets = model.state_dict()
     state = to_model_names(model, targets, state)
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
@@ -93,6 +95,8 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> 
             problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
         elif src.dtype != dst.dtype:
             problems.append(f"{name!r} has dtype {src.dtype}, the model's is {dst.dtype}")
+        elif values and src.is_meta:
+            problems.append(f"{name!r} is a meta tensor: it has no values")
     problems += [] if problems else _tied_conflicts(targets, state)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
