@@ -254,6 +254,23 @@ def test_a_window_the_attention_never_applies_follows_the_forward_pass(zoo_dir):
     assert [rows[(i, 0)]["token_ids"] for i in range(len(prompts))] == forward
 
 
+@pytest.mark.parametrize("name, window", [
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 4}),
+    ("phimoe", {"sliding_window": 12}),
+])
+def test_a_window_only_the_mask_applies_is_refused(zoo_dir, name, window):
+    """Qwen2-MoE and PhiMoE apply a sliding window through transformers' attention mask alone, never passing it
+    to the attention call: paged attention would attend to every earlier key, so such configs are refused."""
+    with pytest.raises(ValueError, match=rf"'{name}'.*a sliding window of 12 tokens that transformers applies "
+                                         r"only through the attention mask \(layers \[0"):
+        make_engine(zoo_dir(name, **window))
+
+
+def test_a_window_as_long_as_the_context_cuts_nothing_and_is_served(zoo_dir):
+    """Phi-3.5-MoE's own config: a window as long as the model's context (256 here), which no mask cuts."""
+    assert_exact(zoo_dir("phimoe", sliding_window=256))
+
+
 def test_paged_attention_outside_a_step_is_refused_and_leaves_the_cache_alone(zoo_dir):
     path = zoo_dir("llama")
     prompt = prompts_of([12])[0]

@@ -4,13 +4,14 @@ A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one ver
 against transformers `generate`; a vision-language type there is served text-only: Gemma 3's or 4's
 vision tower loaded but never run, Qwen3.5's left out as transformers' causal LM leaves it) and its config
 uses no feature our paged attention cannot see: chunked or bidirectional attention, ALiBi,
-batch-dependent RoPE, linear-attention or state-space layers of a type not verified (those verified keep
-their state in recurrent.py). Everything else is refused at construction with a `ValueError` naming the
-model type and the feature.
+batch-dependent RoPE, a sliding window applied by the attention mask alone, linear-attention or state-space
+layers of a type not verified (those verified keep their state in recurrent.py). Everything else is refused at
+construction with a `ValueError` naming the model type and the feature.
 """
 
 from __future__ import annotations
 
+import inspect
 import traceback
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.recurrent import Mixers
 from workers.engine.rope_cache import cache_rope_init
 
+_SLIDING_MASK = "create_sliding_window_causal_mask"  # transformers' masking_utils, as modeling modules import it
 # Model types verified exact in tests/test_model_coverage.py.
 SUPPORTED_MODEL_TYPES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm", "cohere",
@@ -209,6 +211,10 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     if sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers}; state-space layers: {mixer_layers})")
+    masked = _windows_only_masked(model, probe.windows)
+    if masked:
+        raise refuse(model_type, f"a sliding window of {masked[0]} tokens that transformers applies only through "
+                                 f"the attention mask (layers {masked[1]}), which paged attention never sees")
     values_are_keys = frozenset(layer for layer, k, v in probe.calls if _leads(v, k))
     mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape and layer not in values_are_keys]
     if mismatched:
@@ -219,6 +225,23 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     owners = dict(zip(layers, _owners(probe.calls)))
     return KvLayout(tuple(shapes.get(i) for i in expected), tuple(owners.get(i, i) for i in expected),
                     values_are_keys, tuple(probe.windows.get(i) for i in expected))
+
+
+def _windows_only_masked(model: transformers.PreTrainedModel,
+                         windows: dict[int | None, int | None]) -> tuple[int, list[int]] | None:
+    """The window and the layers it applies to, where the config sets a sliding window shorter than the
+    model's context, its modeling code builds sliding-window masks (Qwen2-MoE, PhiMoE), and the layers' attention
+    calls get no window: there the window lives in the mask alone. (A window in the config that the forward
+    ignores, as Llama's, is no such case: the engine follows the forward.)"""
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if not window or (context and window >= context) or not hasattr(inspect.getmodule(type(model)), _SLIDING_MASK):
+        return None
+    types = getattr(config, "layer_types", None)
+    layers = [layer for layer, seen in windows.items()
+              if seen is None and (types is None or types[layer] == "sliding_attention")]
+    return (window, layers) if layers else None
 
 
 def _probe_forward(model: transformers.PreTrainedModel, probe: _ShapeProbe) -> None:
