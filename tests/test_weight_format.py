@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from workers.weight_format import checkpoint_tensors, describe, from_numpy, pack, plan_buckets, to_numpy, unpack
 
@@ -41,3 +41,11 @@ def test_checkpoint_headers_describe_the_tensors(model_dir):
     assert sorted(checkpoint_tensors(path), key=lambda t: t.name) == sorted(describe(state), key=lambda t: t.name)
     with pytest.raises(ValueError, match="not a directory of \\*.safetensors"):
         checkpoint_tensors(f"{path}/missing")
+
+
+def test_a_tensor_in_two_files_of_a_checkpoint_is_refused(tmp_path):
+    """A stale shard beside new ones: which copy would load depends on file order, so neither does."""
+    save_file({"a": torch.zeros(2), "b": torch.zeros(2)}, tmp_path / "model-00001.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "old.safetensors")
+    with pytest.raises(ValueError, match="holds 'b' twice, in model-00001.safetensors and old.safetensors"):
+        checkpoint_tensors(tmp_path)

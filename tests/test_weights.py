@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from rollout import SamplingParams
 from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
@@ -107,6 +110,11 @@ def test_bad_mode_and_source(policies, tmp_path):
         engine.update_weights(policies[1], version=1, mode="later")
     with pytest.raises(ValueError, match="neither a state dict nor a directory"):
         engine.update_weights(str(tmp_path), version=1)
+    shutil.copytree(policies[1], tmp_path / "new")
+    save_file({"model.norm.weight": torch.ones(32) * 7}, tmp_path / "new" / "stale.safetensors")
+    with pytest.raises(ValueError, match="holds 'model.norm.weight' twice, in model.safetensors and stale"):
+        engine.update_weights(str(tmp_path / "new"), version=1)
+    assert engine.policy_version == 0
 
 
 def start(engine, prompts, params, steps: int) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -49,20 +49,34 @@ def describe(state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
     return [TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
 
 
+def refuse_repeated_names(path: str | Path, names_by_file: Mapping[Path, Iterable[str]]) -> None:
+    """ValueError naming a tensor that two files of checkpoint `path` both hold (a stale shard left beside the
+    new ones, say): one copy would silently win."""
+    where: dict[str, Path] = {}
+    for file, names in names_by_file.items():
+        for name in names:
+            if where.setdefault(name, file) != file:
+                raise ValueError(f"checkpoint {str(path)!r} holds {name!r} twice, in {where[name].name} and "
+                                 f"{file.name}: one copy would silently win")
+
+
 def checkpoint_tensors(path: str | Path) -> list[TensorMeta]:
     """The metadata of every tensor in the `*.safetensors` files of a directory, read from their headers
-    only; ValueError if there are none."""
+    only; ValueError if there are none, or if two files hold one name."""
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         raise ValueError(f"checkpoint {str(path)!r} is not a directory of *.safetensors files")
-    tensors = []
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                part = f.get_slice(name)
-                dtype = part.get_dtype()
-                tensors.append(TensorMeta(name, _SAFETENSORS_DTYPES.get(dtype, dtype), list(part.get_shape())))
-    return tensors
+    headers = {file: _header(file) for file in files}
+    refuse_repeated_names(path, {file: [t.name for t in tensors] for file, tensors in headers.items()})
+    return [t for tensors in headers.values() for t in tensors]
+
+
+def _header(file: Path) -> list[TensorMeta]:
+    """The metadata of the tensors of one safetensors file."""
+    with safe_open(file, framework="pt") as f:
+        parts = {name: f.get_slice(name) for name in f.keys()}
+        return [TensorMeta(name, _SAFETENSORS_DTYPES.get(p.get_dtype(), p.get_dtype()), list(p.get_shape()))
+                for name, p in parts.items()]
 
 
 def meta_state(tensors: list[TensorMeta]) -> dict[str, torch.Tensor]:
