@@ -208,6 +208,19 @@ def test_sampling_params_built_directly_are_type_checked(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("field, value", [("n", 0), ("temperature", -1.0), ("top_p", 0.0),
+                                          ("max_new_tokens", -3), ("logprobs_mode", "bogus")])
+def test_sampling_params_set_after_they_were_built_are_checked_again(qwen3, field, value):
+    """A field set on a built `SamplingParams` (msgspec structs are mutable) is refused when the request
+    comes, before anything is queued."""
+    engine = make_engine(qwen3)
+    params = SamplingParams()
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        engine.add_request([1, 2, 3], params)
+    assert not engine.has_unfinished()
+
+
 def test_bad_configs(qwen3, tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         convert({"model": qwen3, "bogus": 1}, EngineConfig)

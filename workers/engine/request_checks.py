@@ -42,10 +42,12 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
 
 
 def check_params(params: object, vocab_size: int, has_tokenizer: bool) -> None:
-    """Refuse sampling parameters that are not a `SamplingParams` (which validates itself when built), whose
-    stop tokens the model could never produce, or stop strings without a tokenizer to read them with."""
+    """Refuse sampling parameters that are not a valid `SamplingParams` (validated again: a field may have been
+    set since it was built), whose stop tokens the model could never produce, or stop strings without a
+    tokenizer to read them with."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
+    params.__post_init__()
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab_size})")
