@@ -66,8 +66,9 @@ def test_same_samples_and_counters_as_async_off(workload, device):
 
 @pytest.mark.parametrize("cpu_blocks", [0, 4096, 6], ids=["recompute", "offload", "both"])
 def test_same_samples_under_memory_pressure(workload, cpu_blocks):
-    """With stop tokens a stopped sample holds its blocks one step longer, so preemptions (and the counters)
-    may differ, but never the samples; without stop tokens every decision, counter and logprob is the same."""
+    """With stop tokens a stopped sample holds its blocks one step longer (unless the next step preempts: the
+    step in flight is collected first), so admissions, and with them preemptions and the counters, may
+    differ, but never the samples; without stop tokens every decision, counter and logprob is the same."""
     path, prompts, params = workload
     tight = dict(num_blocks=14, cpu_offload_gib=cpu_blocks * gib_per_block(path, BLOCK))
     off, off_stats = generate(path, prompts, params, False, **tight)
@@ -79,6 +80,27 @@ def test_same_samples_under_memory_pressure(workload, cpu_blocks):
     on, on_stats = generate(path, prompts, without_stops(params), True, **tight)
     assert_same_samples(on, off, abs_tol=None)
     assert on_stats == off_stats
+
+
+def test_a_sample_stopped_in_the_step_in_flight_is_not_preempted(model_dir):
+    """Two greedy samples of 2-token blocks in 7 blocks; B's 4th token is its stop token, and B's next decode
+    would start a block that is not there. With async batching the step that needs it is scheduled while B's
+    stop token is still in flight: the engine collects that step before preempting, so B ends with its stop
+    and is never offloaded, as with async off."""
+    path = model_dir("qwen3")
+    prompts = [[11, 12, 13], [21, 22, 23]]
+    free = run(make_engine(path), prompts, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    stop = free[(1, 0)]["token_ids"][3]
+    assert stop not in free[(1, 0)]["token_ids"][:3]
+    params = [SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, stop_token_ids=[stop])]
+    results = []
+    for async_batching in (False, True):
+        engine = make_engine(path, block_size=2, num_blocks=7, max_batch_tokens=64, async_batching=async_batching,
+                             cpu_offload_gib=64 * gib_per_block(path, 2), check_integrity=True)
+        rows = run(engine, prompts, params)
+        results.append((rows[(1, 0)]["finish_reason"], rows[(1, 0)]["num_preemptions"], engine.stats()["offloads"]))
+    assert results[0] == results[1] == ("stop", 0, 0)
 
 
 def test_a_stop_found_late_wastes_one_token_never_emitted(workload):

@@ -48,6 +48,7 @@ class Engine:
         self.runner.log_startup()
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
                                    self.runner.rope_switch_length, self.runner.max_chunk)
+        self.scheduler.before_preempt = self._collect_early
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(("steps", "forks"), 0)
@@ -219,6 +220,15 @@ class Engine:
         for seq in ended:
             self.scheduler.finish(seq)
         return InFlight(sampled, self.policy_version, seqs, rows)
+
+    def _collect_early(self) -> bool:
+        """Collect the step in flight while the next is scheduled, as the scheduler is about to preempt: a
+        sample that stopped in it then ends instead of being preempted (and offloaded) first, as with async
+        batching off; True if there was one. Only steps that preempt wait for the device so."""
+        if self.in_flight is None:
+            return False
+        self._collect()
+        return True
 
     def _collect(self) -> None:
         """Wait for the step in flight, if any, write its tokens, logprobs and version in, and end the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rollout.config import EngineConfig
 from workers.engine.batch import Batch
@@ -44,6 +44,9 @@ class Scheduler:
         # root of `long_rope_roots`, and a shorter one that grows past it is recomputed
         self.rope_switch_length = rope_switch_length
         self.long_rope_roots: set[int] = set()
+        # called before any preemption; the engine collects the step in flight there (async batching), so
+        # that a sample it stopped ends and frees its blocks instead of being preempted; True if there was one
+        self.before_preempt: Callable[[], bool] = lambda: False
 
     @property
     def num_running_samples(self) -> int:
@@ -97,7 +100,8 @@ class Scheduler:
                 budget -= self._admit(batch, budget)
             if batch.seqs or not self.running:
                 return batch
-            self._preempt(self.running[-1], batch)
+            if not self.before_preempt():
+                self._preempt(self.running[-1], batch)
             prefills = self._split_running()[1]
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -164,6 +168,10 @@ class Scheduler:
         (`growing`) gets one; victims leave both lists. True when anything was preempted."""
         preempted = False
         while len(growing) > self.pool.num_available:
+            if self.before_preempt():
+                decodes[:] = [seq for seq in decodes if seq.status is not Status.FINISHED]
+                growing[:] = [seq for seq in growing if seq.status is not Status.FINISHED]
+                continue
             victim = self.running[-1]
             if victim in growing:
                 growing.remove(victim)
