@@ -30,14 +30,17 @@ def start_local_ray(config: ServiceConfig) -> None:
 
 
 def stop_local_ray() -> None:
-    """Stop the Ray that `start_local_ray` started and restore the caller's authentication settings."""
+    """Stop the Ray that `start_local_ray` started and restore the caller's authentication and cluster
+    settings (a later driver of this process may join a cluster elsewhere)."""
     ray.shutdown()
-    for name, value in _saved_auth_env.items():
+    for name, value in _saved_env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    _saved_auth_env.clear()
+    _saved_env.clear()
+    if _saved_cluster_flag:
+        ray_constants.ENABLE_RAY_CLUSTER = _saved_cluster_flag.pop()
     _reload_auth()
 
 
@@ -57,22 +60,31 @@ def join_cluster(address: str, namespace: str) -> None:
 
 def _loopback_only() -> None:
     """Keep this process's Ray, and every process it starts, on 127.0.0.1."""
+    _save_callers_settings()
     # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
     # it sets is overridden too); the processes it starts read it from the environment.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-_saved_auth_env: dict[str, str | None] = {}  # the caller's values, restored by stop_local_ray
+# the caller's values of what this module changes, restored by stop_local_ray
+_SAVED_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+_saved_env: dict[str, str | None] = {}
+_saved_cluster_flag: list[bool] = []
+
+
+def _save_callers_settings() -> None:
+    """Keep the caller's settings once, before the first change."""
+    if not _saved_env:
+        _saved_env.update({name: os.environ.get(name) for name in _SAVED_ENV})
+        _saved_cluster_flag[:] = [ray_constants.ENABLE_RAY_CLUSTER]
 
 
 def _private_token() -> None:
     """Turn on token authentication with a random token of this instance only, held in this process's
     environment (which Ray's processes inherit), instead of ~/.ray/auth_token, which Ray would create
     readable by everyone and share with every other Ray of this user. RAY_AUTH_TOKEN beats any token file."""
-    if not _saved_auth_env:
-        _saved_auth_env.update({name: os.environ.get(name) for name in _AUTH_ENV})
+    _save_callers_settings()
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     _reload_auth()

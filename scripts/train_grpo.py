@@ -39,7 +39,6 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
-import ray
 import torch
 import transformers
 from tqdm.auto import tqdm
@@ -50,6 +49,7 @@ from grpo import group_advantages, grpo_loss, mismatch, producing_logprobs, scor
 
 import rollout  # noqa: E402
 from rollout.demo import DEMO_PROMPTS, demo_model  # noqa: E402
+from rollout.local_ray import join_cluster  # noqa: E402
 from rollout.schema import sort_samples  # noqa: E402
 from trainer_client import to_torch  # noqa: E402
 
@@ -117,7 +117,7 @@ def open_samples(args: argparse.Namespace, iteration: int) -> rollout.RolloutStr
                           seed=args.seed * 1_000_003 + iteration, return_token_versions=True, progress=True)
 
 
-def collect(stream: rollout.RolloutStream, targets: torch.Tensor, pad_token_id: int) -> pa.Table:
+def collect(stream: rollout.RolloutStream, targets: torch.Tensor, pad_token_id: int | None) -> pa.Table:
     """Every sample of `stream`, each batch scored as it arrives, ordered by prompt then sample."""
     return sort_samples(pa.Table.from_batches([score(b, targets, pad_token_id) for b in stream]))
 
@@ -134,7 +134,7 @@ def versions_ok(table: pa.Table, first: int, last: int) -> bool:
 
 def train_step(model: transformers.PreTrainedModel, optimizer: torch.optim.Optimizer, table: pa.Table,
                policies: dict[int, transformers.PreTrainedModel], version: int, args: argparse.Namespace,
-               pad_token_id: int) -> tuple[float, float]:
+               pad_token_id: int | None) -> tuple[float, float]:
     """One GRPO step on `table` by the trainer at `version` (`policies` holds it and the previous one);
     returns the logprob mismatch (max, mean), measured before the optimizer step."""
     tensors = to_torch(table, pad_token_id)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     model_dir = args.model or demo_model()
     if args.address:
-        ray.init(address=args.address)
+        join_cluster(args.address, "rollout")
     rollout.init(model=str(model_dir), num_workers=args.num_workers, device="cpu", dtype="float32")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.trainer_threads)

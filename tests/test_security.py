@@ -14,6 +14,7 @@ import textwrap
 import psutil
 import pytest
 import ray
+from ray._private import ray_constants
 
 import rollout
 from rollout.config import load_service_config
@@ -31,16 +32,21 @@ GCS_CLIENT = textwrap.dedent("""
 
 
 def test_the_local_ray_has_a_token_of_its_own_and_restores_the_callers(model_dir, monkeypatch):
-    """Runs before the module's service starts: the caller's token settings come back once it stops."""
+    """Runs before the module's service starts: the caller's token and cluster settings come back once it
+    stops (a later driver of the process may join a cluster that is not on 127.0.0.1)."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "mine")
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.3))
     try:
         assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_AUTH_TOKEN"] != "mine"
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and not ray_constants.ENABLE_RAY_CLUSTER
         first = os.environ["RAY_AUTH_TOKEN"]
     finally:
         stop_local_ray()
     assert os.environ["RAY_AUTH_TOKEN"] == "mine" and "RAY_AUTH_MODE" not in os.environ
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ and ray_constants.ENABLE_RAY_CLUSTER
     start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.3))
     try:
         assert os.environ["RAY_AUTH_TOKEN"] not in (first, "mine")  # a fresh one per instance
