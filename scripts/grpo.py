@@ -22,7 +22,7 @@ def target_token_ids(tokenizer: transformers.PreTrainedTokenizerBase) -> torch.T
     return torch.tensor(ids)
 
 
-def score(batch: pa.RecordBatch, targets: torch.Tensor, pad_token_id: int) -> pa.RecordBatch:
+def score(batch: pa.RecordBatch, targets: torch.Tensor, pad_token_id: int | None) -> pa.RecordBatch:
     """`batch` with a `reward` column: the share of each sample's generated tokens that are in `targets`."""
     tensors = to_torch(batch, pad_token_id)
     mask = tensors["response_mask"].bool()

@@ -42,5 +42,6 @@ def test_a_record_batch_and_an_empty_table(model_dir):
     rows = make_engine(model_dir("qwen3")).generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=3))
     batch = rows.to_batches()[0]
     assert to_torch(batch, PAD)["input_ids"].tolist() == to_torch(rows, PAD)["input_ids"].tolist()
+    assert to_torch(rows, None)["input_ids"].tolist() == to_torch(rows, 0)["input_ids"].tolist()  # no pad token
     empty = to_torch(rows.schema.empty_table(), PAD)
     assert empty["input_ids"].shape == (0, 0) and empty["prompt_index"].shape == (0,)

@@ -8,10 +8,11 @@ import pyarrow.compute as pc
 import torch
 
 
-def to_torch(data: pa.RecordBatch | pa.Table, pad_token_id: int) -> dict[str, torch.Tensor]:
+def to_torch(data: pa.RecordBatch | pa.Table, pad_token_id: int | None) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids` (prompt then completion, [B, L]), `attention_mask` (1 on real tokens),
     `response_mask` (1 on completion tokens), `logprobs` (the logprob of `input_ids[b, t]` at each
-    completion position t, 0 elsewhere), and `prompt_index`, `sample_index` ([B])."""
+    completion position t, 0 elsewhere), and `prompt_index`, `sample_index` ([B]). Any `pad_token_id` will
+    do, as the masks cover the padding: None (a tokenizer without a pad token, as GPT-2's) pads with 0."""
     table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
     prompts = table.column("prompt_token_ids").combine_chunks()
     completions = table.column("token_ids").combine_chunks()
@@ -19,7 +20,7 @@ def to_torch(data: pa.RecordBatch | pa.Table, pad_token_id: int) -> dict[str, to
     completion_lens = pc.list_value_length(completions).to_numpy(zero_copy_only=False).astype(np.int64)
     width = int((prompt_lens + completion_lens).max(initial=0))
     shape = (table.num_rows, width)
-    input_ids = np.full(shape, pad_token_id, dtype=np.int64)
+    input_ids = np.full(shape, 0 if pad_token_id is None else pad_token_id, dtype=np.int64)
     logprobs = np.zeros(shape, dtype=np.float32)
     _scatter(input_ids, prompts, np.zeros_like(prompt_lens))
     _scatter(input_ids, completions, prompt_lens)
