@@ -179,7 +179,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    """Stop the service named by --config (its workers and the service actor) on a running Ray cluster."""
+    """Stop the service named by --config (its workers, the service actor and its weight keeper) on a running
+    Ray cluster; exit status 1 when no such service runs (a keeper it left behind is stopped all the same)."""
     import ray
 
     from rollout.local_ray import join_cluster
@@ -188,8 +189,16 @@ def _stop(args: argparse.Namespace) -> int:
 
     config = load_service_config(args.config, **_overrides(args))
     join_cluster(args.address, config.namespace)
-    stop(ray.get_actor(config.name, namespace=config.namespace))
+    try:
+        service = ray.get_actor(config.name, namespace=config.namespace)
+    except ValueError:
+        service = None
+    if service is not None:
+        stop(service)
     stop_keeper(config)  # in case the service was dead and could not
+    if service is None:
+        print(f"rollout stop: no service {config.name!r} runs in namespace {config.namespace!r}", file=sys.stderr)
+        return 1
     print(f"rollout service {config.name!r} stopped", flush=True)
     return 0
 

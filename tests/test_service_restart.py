@@ -37,14 +37,15 @@ SERVICE = dict(num_workers=2, name=NAME, namespace=NAMESPACE, flush_rows=2, flus
                num_blocks=64)
 
 
-def cli(command: list[str], model: str) -> str:
-    """Run `rollout COMMAND` for this module's service in a fresh process; returns what it printed."""
+def cli(command: list[str], model: str, status: int = 0) -> str:
+    """Run `rollout COMMAND` for this module's service in a fresh process, which must exit with `status`;
+    returns what it printed (on stderr too, for a failure)."""
     sets = [arg for field, value in SERVICE.items() for arg in ("--set", f"{field}={json.dumps(value)}")]
     argv = [sys.executable, "-m", "rollout.cli", *command, "--model", model, *sets,
             "--address", ray.get_runtime_context().gcs_address]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)  # inherits the Ray token
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    assert done.returncode == status, done.stderr[-3000:]
+    return done.stdout if status == 0 else done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +226,4 @@ def test_rollout_stop_ends_it_for_good(service, model_dir):
                  lambda: client.sample(PROMPTS, n=1), client.init_weight_sync]:
         with pytest.raises(ServiceUnavailable, match="died or is restarting"):
             call()
+    assert f"no service {NAME!r} runs in namespace {NAMESPACE!r}" in cli(["stop"], model_dir("qwen3"), status=1)
