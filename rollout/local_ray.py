@@ -21,6 +21,7 @@ def start_local_ray(config: ServiceConfig) -> None:
     """Start a private Ray instance for the embedded service: no dashboard, a bounded object store, enough
     CPUs for the configured workers, listeners on 127.0.0.1 only (never joins a running cluster), and
     token authentication with a fresh random token (see `_private_token`)."""
+    _save_callers_settings()
     _loopback_only()
     _private_token()
     workers = config.num_workers or 1
@@ -60,7 +61,6 @@ def join_cluster(address: str, namespace: str) -> None:
 
 def _loopback_only() -> None:
     """Keep this process's Ray, and every process it starts, on 127.0.0.1."""
-    _save_callers_settings()
     # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
     # it sets is overridden too); the processes it starts read it from the environment.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -74,7 +74,8 @@ _saved_cluster_flag: list[bool] = []
 
 
 def _save_callers_settings() -> None:
-    """Keep the caller's settings once, before the first change."""
+    """Keep the caller's settings before `start_local_ray` changes them (once until `stop_local_ray`; a driver
+    that joins a cluster on 127.0.0.1 keeps `_loopback_only` for as long as it runs)."""
     if not _saved_env:
         _saved_env.update({name: os.environ.get(name) for name in _SAVED_ENV})
         _saved_cluster_flag[:] = [ray_constants.ENABLE_RAY_CLUSTER]
@@ -84,7 +85,6 @@ def _private_token() -> None:
     """Turn on token authentication with a random token of this instance only, held in this process's
     environment (which Ray's processes inherit), instead of ~/.ray/auth_token, which Ray would create
     readable by everyone and share with every other Ray of this user. RAY_AUTH_TOKEN beats any token file."""
-    _save_callers_settings()
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     _reload_auth()
