@@ -48,7 +48,9 @@ class Engine:
         self.runner.log_startup()
         self.scheduler = Scheduler(config, self.pool, self.runner.tables, self.cpu_pool,
                                    self.runner.rope_switch_length, self.runner.max_chunk)
-        self.scheduler.before_preempt = self._collect_early
+        # a step that would preempt collects the step in flight first (its one wait on the device, taken
+        # earlier): a sample that stopped in it then ends instead of being preempted, as with async batching off
+        self.scheduler.before_preempt = self._collect
         self.groups: dict[str, Group] = {}
         self.policy_version = 0
         self.counters = dict.fromkeys(("steps", "forks"), 0)
@@ -221,21 +223,12 @@ class Engine:
             self.scheduler.finish(seq)
         return InFlight(sampled, self.policy_version, seqs, rows)
 
-    def _collect_early(self) -> bool:
-        """Collect the step in flight while the next is scheduled, as the scheduler is about to preempt: a
-        sample that stopped in it then ends instead of being preempted (and offloaded) first, as with async
-        batching off; True if there was one. Only steps that preempt wait for the device so."""
-        if self.in_flight is None:
-            return False
-        self._collect()
-        return True
-
-    def _collect(self) -> None:
+    def _collect(self) -> bool:
         """Wait for the step in flight, if any, write its tokens, logprobs and version in, and end the
-        samples that stopped or reached their length; their rows wait in `ready`."""
+        samples that stopped or reached their length; their rows wait in `ready`. True if there was one."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
-            return
+            return False
         tokens, logprobs = flight.sampled.wait()
         version, finished = flight.version, Status.FINISHED
         for seq, row in zip(flight.seqs, flight.rows):
@@ -250,6 +243,7 @@ class Engine:
                 self.scheduler.finish(seq)
             if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
+        return True
 
     def _stop_strings(self, seqs: list[Sequence]) -> set[int]:
         """`id` of each sample whose newest token completes one of its stop strings."""
