@@ -31,8 +31,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `max_num_seqs` sequences. `cpu_offload_gib` sizes the CPU pool preempted requests are offloaded to
     (0 = recompute instead; never more blocks than `max_num_seqs` sequences of `max_model_len` hold).
     `max_model_len` defaults to the model's `max_position_embeddings` (32768 for a model without one, such
-    as Mamba). `trust_remote_code` lets transformers run Python code shipped with the model (config.json
-    `auto_map`); off by default, as that code runs with the worker's rights.
+    as Mamba); a longer one is refused at construction. `trust_remote_code` lets transformers run Python
+    code shipped with the model (config.json `auto_map`); off by default, as that code runs with the
+    worker's rights.
     `check_integrity` asserts the block accounting after every step (slow: for tests and soak runs); a
     broken invariant fails the step.
 

@@ -74,6 +74,13 @@ def test_stop_conditions(qwen3):
     assert capped["finish_reason"] == "length" and len(capped["token_ids"]) == 30 - 10
 
 
+def test_max_model_len_past_the_models_limit_is_refused(qwen3):
+    """As in vLLM: a length the model's positions do not reach is an error at construction, not lowered."""
+    assert make_engine(qwen3).max_model_len == 1024 and make_engine(qwen3, max_model_len=1024).max_model_len == 1024
+    with pytest.raises(ValueError, match=r"max_model_len=1025 is longer than the model's max_position_embeddings=1024"):
+        make_engine(qwen3, max_model_len=1025)
+
+
 def test_eos_stops_unless_ignored(qwen3):
     engine = make_engine(qwen3)
     eos = next(iter(engine.eos_token_ids))

@@ -167,12 +167,15 @@ UNBOUNDED_MAX_MODEL_LEN = 32768
 
 
 def max_model_len(config: EngineConfig, hf: transformers.PretrainedConfig) -> int:
-    """`config.max_model_len`, at most the model's `max_position_embeddings` (or UNBOUNDED_MAX_MODEL_LEN when
-    the model has none and none is configured)."""
+    """`config.max_model_len`, or the model's `max_position_embeddings` (UNBOUNDED_MAX_MODEL_LEN for a model
+    without one). A length past the model's limit is refused, as vLLM does, rather than lowered in silence."""
     limit = getattr(hf, "max_position_embeddings", None)
-    if limit is None:
-        return config.max_model_len or UNBOUNDED_MAX_MODEL_LEN
-    return min(config.max_model_len or limit, limit)
+    if config.max_model_len is None:
+        return limit or UNBOUNDED_MAX_MODEL_LEN
+    if limit is not None and config.max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} is longer than the model's "
+                         f"max_position_embeddings={limit}; lower it, or leave it unset to serve {limit}")
+    return config.max_model_len
 
 
 class _ShapeProbe(AttentionBackend):
