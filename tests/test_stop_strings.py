@@ -62,6 +62,22 @@ def test_a_string_is_completed_only_by_its_last_token(model_dir, clean_up):
     assert completed == ["x jumps over the lazy dog"]
 
 
+def test_a_string_spread_over_many_tokens_is_found(model_dir):
+    """Characters of three byte-level tokens each, and a string split by special tokens that decode to nothing:
+    each is found at the token completing it, in one batch of every prefix (a tail of a fixed number of
+    tokens, twice the string's characters and 8, missed both)."""
+    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    prompt = tokenizer.encode("Q:")
+    cases = [(tokenizer.encode("some words 答案结束了请停止生成 tail"), "答案结束了请停止生成"),
+             (tokenizer.encode("x ab") + [tokenizer.eos_token_id] * 20 + tokenizer.encode("cd e"), "abcd")]
+    for generated, stop in cases:
+        texts = ["", *(tokenizer.decode(generated[:end], skip_special_tokens=True)
+                       for end in range(1, len(generated) + 1))]
+        want = [stop in text and stop not in before for before, text in zip(texts, texts[1:])]
+        samples = [(prompt + generated[:end], len(prompt)) for end in range(1, len(generated) + 1)]
+        assert stops_completed(tokenizer, samples, [[stop]] * len(samples)) == want and sum(want) == 1, stop
+
+
 def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir):
     engine = make_engine(zoo_dir("llama"))  # the zoo's models come without a tokenizer
     assert engine.tokenizer is None

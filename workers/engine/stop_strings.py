@@ -1,10 +1,12 @@
 """Stop strings: which samples' newest token completes one of their `SamplingParams.stop` strings.
 
-Only the tail of each sample is decoded (enough tokens for its longest string, each token giving at least
-one character, with room for byte-level tokens that give part of one), every sample of a step in one
-batched decode: a string in the tail's text that the tail without its newest token lacks was completed by
-that token. Both decodes start at the same token, so whatever decoding does at a cut-off start is the
-same in both.
+Only the tail of each sample is decoded, every sample of a step in one batched decode: a string in the
+tail's text that the tail without its newest token lacks was completed by that token. Both decodes start
+at the same token, so whatever decoding does at a cut-off start is the same in both. A tail starts with
+twice as many tokens as the longest string has characters. A tail without any of the strings is decoded
+only once: its text less the newest token's (decoded alone, at most one character shorter than in place)
+must still hold the longest string, else (tokens of a few bytes of one character, special tokens that
+decode to nothing) the tail is doubled until it does or reaches the first generated token.
 """
 
 from __future__ import annotations
@@ -13,20 +15,44 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+# Characters of slack in a tail's text: a cut-off start decodes a split character as up to three
+# replacement characters, and so does an end that the newest token completes.
+_SLACK = 8
+
 
 def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[tuple[Sequence[int], int]],
                     stops: Sequence[Sequence[str]]) -> list[bool]:
     """For each sample, `(token ids, index of its first generated one)`, whether its last token completes one
     of its `stops` (in the generated text: the prompt's text never counts)."""
-    tails = [list(tokens[max(start, len(tokens) - 2 * max(map(len, strings)) - 8):])
-             for (tokens, start), strings in zip(samples, stops)]
-    new = _decode(tokenizer, tails)
-    maybe = [i for i, text in enumerate(new) if any(stop in text for stop in stops[i])]
-    old = _decode(tokenizer, [tails[i][:-1] for i in maybe])
-    hits = [False] * len(tails)
-    for i, text in zip(maybe, old):
-        hits[i] = any(stop in new[i] and stop not in text for stop in stops[i])
+    longest = [max(map(len, strings)) for strings in stops]
+    widths = [2 * n + _SLACK for n in longest]
+    hits = [False] * len(samples)
+    todo = list(range(len(samples)))
+    while todo:
+        tails = [_tail(*samples[i], widths[i]) for i in todo]
+        texts = _decode(tokenizer, tails + [tail[-1:] for tail in tails])
+        new, newest = texts[:len(tails)], texts[len(tails):]
+        maybe = [k for k, i in enumerate(todo) if any(stop in new[k] for stop in stops[i])]
+        old = dict(zip(maybe, _decode(tokenizer, [tails[k][:-1] for k in maybe])))
+        for k, i in enumerate(todo):
+            if k in old:
+                hits[i] = any(stop in new[k] and stop not in old[k] for stop in stops[i])
+        todo = [i for k, i in enumerate(todo) if k not in old and _too_short(
+            len(new[k]) - len(newest[k]) - 1, longest[i], len(tails[k]), samples[i])]
+        for i in todo:
+            widths[i] *= 2
     return hits
+
+
+def _too_short(chars_before: int, longest: int, width: int, sample: tuple[Sequence[int], int]) -> bool:
+    """Whether a tail's text before its newest token may miss the start of a string, and a wider tail exists."""
+    tokens, start = sample
+    return chars_before < longest + _SLACK and width < len(tokens) - start
+
+
+def _tail(tokens: Sequence[int], start: int, width: int) -> list[int]:
+    """The last `width` tokens, none of the prompt's."""
+    return list(tokens[max(start, len(tokens) - width):])
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, batch: list[list[int]]) -> list[str]:
