@@ -81,6 +81,22 @@ def test_max_model_len_past_the_models_limit_is_refused(qwen3):
         make_engine(qwen3, max_model_len=1025)
 
 
+def test_a_request_keeps_its_own_params(qwen3):
+    """A caller may change and reuse its SamplingParams right after `add_request`: the queued request keeps what
+    it was given (vLLM copies them too)."""
+    prompt = random_prompts(1, 512, (7, 7), seed=21)[0]
+    sampled = dict(temperature=1.0, seed=7, max_new_tokens=8, ignore_eos=True)
+    want = run(make_engine(qwen3), [prompt], SamplingParams(**sampled))[(0, 0)]
+    engine = make_engine(qwen3)
+    params = SamplingParams(**sampled)
+    engine.add_request(prompt, params)
+    params.temperature, params.n, params.logprobs_mode = 0.0, 2, "raw"
+    params.stop_token_ids.append(want["token_ids"][1])
+    got = run(engine, [], [])
+    assert list(got) == [(0, 0)] and got[(0, 0)]["token_ids"] == want["token_ids"]
+    assert got[(0, 0)]["logprobs"] == want["logprobs"]
+
+
 def test_eos_stops_unless_ignored(qwen3):
     engine = make_engine(qwen3)
     eos = next(iter(engine.eos_token_ids))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import uuid
 from typing import Callable
@@ -91,8 +92,10 @@ class Engine:
                     request_id: str | None = None, prompt_index: int = 0,
                     sample_indices: list[int] | None = None, repeat: int = 0) -> str:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id.
-        `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`)."""
+        `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`).
+        The request keeps a copy of `params`: the caller may change and reuse its object at once."""
         check_params(params, self.vocab_size, self.tokenizer is not None)
+        params = copy.deepcopy(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
         if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 0:
