@@ -69,6 +69,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return msgspec.convert(plain, cls, strict=True)
 
 
+def check_prompt_list(prompts: object) -> None:
+    """Refuse `prompts` that are not a non-empty list (or tuple) of prompts, in the caller's process too, so
+    that a generator or a dict gets this error rather than Ray's when it is sent."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list, got {prompts!r:.80}")
+
+
 def prompt_repeats(prompts: list[list[int]]) -> list[int]:
     """Which copy of an identical earlier prompt each prompt of a call is (0 for the first). A seeded sample's
     noise depends on its prompt's tokens and this, so the copies of a prompt given k times in one call draw

@@ -12,7 +12,7 @@ from ray.actor import ActorHandle
 from tqdm.auto import tqdm
 
 from rollout.local_ray import get_result
-from rollout.params import SamplingParams
+from rollout.params import SamplingParams, check_prompt_list
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
 from rollout.service_lost import service_calls
 from workers.messages import Caller
@@ -22,6 +22,7 @@ def open_stream(service: ActorHandle, prompts: list[str] | list[list[int]], para
                 progress: bool) -> "RolloutStream":
     """Start a `sample` call on `service`; prompts the service rejects raise ValueError here. The call names
     this process, so that the service aborts it if this process dies."""
+    check_prompt_list(prompts)
     with service_calls(service):
         context = ray.get_runtime_context()
         generator = service.sample.remote(prompts, params, Caller(context.get_job_id(), context.get_worker_id()))
@@ -40,14 +41,14 @@ class RolloutStream:
     """The samples of one call: iterate for `pyarrow.RecordBatch`es in arrival order, or `to_table()`.
     `total` is the number of samples the call will deliver.
 
-    Breaking off the iteration, `cancel()`, leaving a `with` block or dropping the stream aborts the
-    samples not yet received and frees their KV blocks. `progress=True` shows a tqdm bar. If the service
-    actor dies meanwhile, iterating raises `ServiceUnavailable` at once.
+    A stream is read once. Breaking off the iteration, `cancel()`, leaving a `with` block or dropping the
+    stream aborts the samples not yet received and frees their KV blocks. `progress=True` shows a tqdm
+    bar. If the service actor dies meanwhile, iterating raises `ServiceUnavailable` at once.
     """
 
     def __init__(self, service: ActorHandle, generator: ObjectRefGenerator, progress: bool = False) -> None:
         self._service, self._generator = service, generator
-        self._open = True
+        self._open, self._read = True, False
         try:
             with service_calls(service):
                 self.total: int = get_result(next(generator))  # the acknowledgement: prompts valid and queued
@@ -57,6 +58,10 @@ class RolloutStream:
         self._bar = tqdm(total=self.total, unit="sample", desc="rollout", disable=not progress)
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        if self._read:
+            raise RuntimeError("this stream was already read or cancelled: it delivers its samples once (keep "
+                               "the batches, or call to_table() once)")
+        self._read = True
         try:
             with service_calls(self._service):
                 for ref in self._generator:
@@ -72,7 +77,9 @@ class RolloutStream:
         return sort_samples(pa.Table.from_batches(list(self), schema=SAMPLE_SCHEMA))
 
     def cancel(self) -> None:
-        """Abort the samples not yet received (a no-op once the stream has ended)."""
+        """Abort the samples not yet received (a no-op once the stream has ended); the stream cannot be read
+        after it."""
+        self._read = True
         if self._open:
             self._open = False
             if ray.is_initialized():  # else the service is gone, and ray.cancel would start a new Ray

@@ -155,10 +155,24 @@ def test_cancel_or_break_off_frees_the_blocks(service, client):
     wait_until_idle(client)
 
 
+def test_a_stream_is_read_once(service, client):
+    """A second read, or a read after `cancel()`, raises instead of giving a table with no rows."""
+    stream = rollout.sample(random_prompts(3, 512, (3, 8), seed=7), n=2, max_new_tokens=4)
+    assert stream.to_table().num_rows == 6
+    cancelled = rollout.sample(random_prompts(3, 512, (3, 8), seed=7), n=2, max_new_tokens=4)
+    cancelled.cancel()
+    for done in (stream, cancelled):
+        with pytest.raises(RuntimeError, match="this stream was already read or cancelled"):
+            done.to_table()
+    wait_until_idle(client)
+
+
 @pytest.mark.parametrize("prompts, sampling, message", [
     ([[5, 6, 99999]], {}, "prompt 0 has token id 99999 outside the vocabulary"),
     ([[5, 6], []], {}, "prompt 1 is empty"),
     ("not a list", {}, "prompts must be a non-empty list"),
+    ((prompt for prompt in [[5, 6]]), {}, "prompts must be a non-empty list, got <generator"),
+    ({"a": [5, 6]}, {}, "prompts must be a non-empty list"),
     ([[7] * 2000], {}, "prompt 0 has 2000 tokens"),
     ([[5, 6]], {"n": 0}, "SamplingParams.n=0 must be >= 1"),
     ([[5, 6]], {"temperature": -1.0}, "SamplingParams.temperature=-1.0"),

@@ -13,7 +13,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams, WeightSource, check_update, prompt_repeats
+from rollout.params import SamplingParams, WeightSource, check_prompt_list, check_update, prompt_repeats
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
@@ -73,8 +73,7 @@ class Engine:
     def tokenize(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Token ids of each prompt, validated; strings need the model's tokenizer. With `params`, each
         prompt's `params.n` samples must also fit this engine's cache."""
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list, got {prompts!r:.80}")
+        check_prompt_list(prompts)
         out = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
