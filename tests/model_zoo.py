@@ -260,6 +260,11 @@ ZOO: dict[str, tuple[type, dict]] = {
                                           "intermediate_size_mlp": 64, "num_local_experts": 2}),
     "llama_dynamic_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    "phimoe_mscale_rope": (tf.PhimoeConfig, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                             "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 10000.0, "short_mscale": 1.0,
+                                                                 "long_mscale": 1.5,
+                                                                 "original_max_position_embeddings": 32}}),
     "bloom": (tf.BloomConfig, {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4}),
     "mpt": (tf.MptConfig, {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 256}),
     "codegen": (tf.CodeGenConfig, {**_GPT, "rotary_dim": 4, "n_ctx": 256}),

@@ -39,7 +39,7 @@ REFUSED = {
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent",
-    "doge": "dynamic mask attention",
+    "doge": "dynamic mask attention", "phimoe_mscale_rope": "short_mscale != long_mscale",
     "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }
 # Mamba-2's recurrent decode step and its chunked scan over a whole text round differently in float32: on

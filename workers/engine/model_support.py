@@ -109,6 +109,10 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     elif "longrope" in rope_types and rope["original_max_position_embeddings"] != getattr(
             config, "original_max_position_embeddings", None):
         found.append("LongRoPE with two different original_max_position_embeddings")
+    if config.model_type == "phimoe" and rope.get("rope_type", "default") != "default" and (
+            rope.get("short_mscale") != rope.get("long_mscale")):
+        found.append(f"PhiMoE rope type {rope['rope_type']!r} with short_mscale != long_mscale, chosen by the "
+                     "longest position of the whole batch")
     return found
 
 
