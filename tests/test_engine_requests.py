@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 
 import numpy as np
@@ -95,6 +97,23 @@ def test_a_request_keeps_its_own_params(qwen3):
     got = run(engine, [], [])
     assert list(got) == [(0, 0)] and got[(0, 0)]["token_ids"] == want["token_ids"]
     assert got[(0, 0)]["logprobs"] == want["logprobs"]
+
+
+def test_generation_config_processors_are_named_and_not_applied(qwen3, tmp_path, caplog):
+    """`generate` applies a checkpoint's repetition_penalty or suppress_tokens even when greedy; the engine
+    samples the model's own distribution (what a trainer's logprobs are of) and names what it leaves out."""
+    path = tmp_path / "model"
+    shutil.copytree(qwen3, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps(
+        {**config, "repetition_penalty": 1.3, "suppress_tokens": [7, 9], "no_repeat_ngram_size": 0}))
+    prompts = random_prompts(3, 512, (4, 12), seed=22)
+    with caplog.at_level(logging.WARNING, logger="workers.engine.generation_config"):
+        rows = run(make_engine(str(path)), prompts, GREEDY)
+    assert "sets repetition_penalty=1.3, suppress_tokens=[7, 9], which" in caplog.text
+    want = run(make_engine(qwen3), prompts, GREEDY)
+    assert all(rows[key]["token_ids"] == want[key]["token_ids"] for key in want)
+    assert any(hf_greedy(str(path), prompt, 12) != rows[(i, 0)]["token_ids"] for i, prompt in enumerate(prompts))
 
 
 def test_eos_stops_unless_ignored(qwen3):

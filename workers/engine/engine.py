@@ -9,7 +9,6 @@ from typing import Callable
 
 import pyarrow as pa
 import torch
-import transformers
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
@@ -17,6 +16,7 @@ from rollout.params import SamplingParams, WeightSource, check_prompt_list, chec
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.generation_config import eos_token_ids, warn_unapplied_processors
 from workers.engine.model_runner import ModelRunner, startup_phase
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
@@ -42,7 +42,8 @@ class Engine:
         self.config = config
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
-        self.eos_token_ids = _eos_ids(self.runner.model)
+        self.eos_token_ids = eos_token_ids(self.runner.model)
+        warn_unapplied_processors(self.runner.model)
         self.tokenizer = load_tokenizer(config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = self._new_cpu_pool(config)
@@ -328,11 +329,4 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; KV already computed is never matched again."""
         self.pool.reset_prefix_cache()
-
-
-def _eos_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = model.config.eos_token_id
-    return frozenset([eos] if isinstance(eos, int) else eos or [])
 
