@@ -101,6 +101,12 @@ ZOO: dict[str, tuple[type, dict]] = {
                                          "final_logit_softcapping": 5.0}),
     "nemotron": (tf.NemotronConfig, _FOUR),
     "hunyuan_v1_dense": (tf.HunYuanDenseV1Config, _FOUR),
+    # dynamic NTK, with the longest sample (40 + 10 tokens) reaching max_position_embeddings, past which alone
+    # transformers would change its frequencies; HunYuan's checkpoints label a fixed NTK alpha "dynamic"
+    "llama_dynamic_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "max_position_embeddings": 50, "rope_parameters": {
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    "hunyuan_v1_dense_alpha": (tf.HunYuanDenseV1Config, {**_FOUR, "rope_parameters": {
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}}),
     "gpt_bigcode": (tf.GPTBigCodeConfig, _GPT),
     "nanochat": (tf.NanoChatConfig, {**_FOUR, "final_logit_softcapping": 5.0}),
     "cwm": (tf.CwmConfig, {**_WINDOWED, "rope_parameters": _LLAMA3_ROPE}),
@@ -258,8 +264,6 @@ ZOO: dict[str, tuple[type, dict]] = {
                                    "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8}),
     "llama4_text": (tf.Llama4TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "attention_chunk_size": 8,
                                           "intermediate_size_mlp": 64, "num_local_experts": 2}),
-    "llama_dynamic_rope": (tf.LlamaConfig, {**_LLAMA_LIKE, "rope_parameters": {
-        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     "phimoe_mscale_rope": (tf.PhimoeConfig, {**_FOUR, "num_local_experts": 4, "num_experts_per_tok": 2,
                                              "rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                                  "rope_theta": 10000.0, "short_mscale": 1.0,

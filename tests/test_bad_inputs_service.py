@@ -31,8 +31,8 @@ def test_a_model_the_engine_refuses_fails_init_with_the_engines_error(tmp_path):
     """Runs before the module's service starts: `rollout.init` raises the engine's own ValueError, naming
     the model type and the feature (not Ray's ActorDiedError with it deep in a traceback), and leaves no
     Ray behind."""
-    path = build_zoo_model("llama_dynamic_rope", tmp_path)
-    with pytest.raises(ValueError, match=r"^model type 'llama' is not supported .* rope type 'dynamic'"):
+    path = build_zoo_model("llama4_text", tmp_path)
+    with pytest.raises(ValueError, match=r"^model type 'llama4_text' is not supported .* chunked attention"):
         rollout.init(model=path, num_workers=1, object_store_memory_gib=0.3)
     assert not ray.is_initialized()
 

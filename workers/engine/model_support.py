@@ -26,7 +26,7 @@ from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.recurrent import Mixers
-from workers.engine.rope_cache import cache_rope_init
+from workers.engine.rope_cache import cache_rope_init, freeze_dynamic_rope
 
 _SLIDING_MASK = "create_sliding_window_causal_mask"  # transformers' masking_utils, as modeling modules import it
 # Model types verified exact in tests/test_model_coverage.py.
@@ -102,8 +102,6 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     rope = getattr(config, "rope_parameters", None) or {}
     rope_types = {rope.get("rope_type")} if "rope_type" in rope else {
         p.get("rope_type") for p in rope.values() if isinstance(p, dict)}
-    if "dynamic" in rope_types:
-        found.append("rope type 'dynamic', whose frequencies depend on the whole batch")
     if "longrope" in rope_types and ("rope_type" not in rope or config.model_type != "phi3"):
         found.append("rope type 'longrope' outside Phi-3's single rotary embedding")
     elif "longrope" in rope_types and rope["original_max_position_embeddings"] != getattr(
@@ -125,6 +123,7 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     layout = kv_layout(model, mixers.layers)
     install_per_sequence_longrope(model)
     cache_rope_init(model)
+    freeze_dynamic_rope(model)
     return layout, mixers
 
 
