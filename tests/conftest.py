@@ -19,7 +19,7 @@ if not ON_GPU:
 
 from rollout import SamplingParams  # noqa: E402
 from tests.model_zoo import ZOO, build_zoo_model  # noqa: E402
-from workers.engine import Engine, EngineConfig, model_support  # noqa: E402
+from workers.engine import Engine, EngineConfig, model_loading  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
 
 # parametrize with DEVICES to run a test on the CPU, and on the GPU where there is one
@@ -114,7 +114,7 @@ def assert_nothing_leaked(engine: Engine) -> None:
 def hf_model(path: str) -> transformers.PreTrainedModel:
     """The same checkpoint through plain transformers, float32, eager attention: the exact reference
     (some transformers versions default Gemma2 to sdpa, which drops its logit softcap)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(path, config=model_support.load_config(path),
+    return transformers.AutoModelForCausalLM.from_pretrained(path, config=model_loading.load_config(path),
                                                              dtype=torch.float32, attn_implementation="eager").eval()
 
 

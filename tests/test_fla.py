@@ -20,7 +20,7 @@ from tests.conftest import ON_GPU, make_engine
 from tests.model_zoo import build_zoo_model
 from tests.test_model_coverage import assert_exact
 from tests.test_recurrent import assert_every_sample_exact
-from workers.engine import model_support
+from workers.engine import model_loading
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
 # the families whose linear-attention layers transformers 5.17 and later route to fla's kernels, with their
@@ -66,7 +66,7 @@ def test_a_package_registered_over_a_transformers_type_does_not_replace_its_mode
     transformers.AutoModelForCausalLM.register(ThirdPartyMamba2Config, ThirdPartyMamba2ForCausalLM, exist_ok=True)
     path = zoo_dir("mamba2")
     assert type(transformers.AutoConfig.from_pretrained(path)) is ThirdPartyMamba2Config
-    assert type(model_support.load_config(path)) is transformers.Mamba2Config
+    assert type(model_loading.load_config(path)) is transformers.Mamba2Config
     engine = assert_exact(path)
     assert type(engine.runner.model) is transformers.Mamba2ForCausalLM
 

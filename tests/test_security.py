@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
 import ray
+import transformers
 from ray._private import ray_constants
 
 import rollout
@@ -167,3 +169,18 @@ def test_a_models_own_code_runs_only_with_trust_remote_code(custom_model):
     with pytest.raises(ValueError, match=r"model type 'tiny_custom' is not supported by the rollout engine"):
         make_engine(path, trust_remote_code=True)
     assert marker.exists()
+
+
+def test_a_models_own_code_for_a_served_type_is_refused_before_its_weights_load(custom_model, monkeypatch):
+    """A checkpoint of a type the engine serves whose auto_map names a model class of its own: trusted, that
+    class would replace transformers' code, which is what the engine is verified against."""
+    path, marker = custom_model
+    config_path = Path(path) / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(model_type="qwen3", auto_map={"AutoModelForCausalLM": "custom_code.CustomModel"})
+    config_path.write_text(json.dumps(config))
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=r"model type 'qwen3' .* own modelling "
+                                                        r"code \(auto_map AutoModelForCausalLM='custom_code"):
+        patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # no weights may load
+        make_engine(path, trust_remote_code=True)
+    assert type(make_engine(path).runner.model) is transformers.Qwen3ForCausalLM and not marker.exists()

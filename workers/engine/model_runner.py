@@ -23,7 +23,8 @@ from workers.engine.fused_norm import fuse_norms
 from workers.engine.graphs import DecodeGraphs, HostSync, resolve
 from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
-from workers.engine.model_support import adapt_model, load_model, max_model_len
+from workers.engine.model_loading import load_model
+from workers.engine.model_support import adapt_model, max_model_len
 from workers.engine.pipeline import Sampled
 from workers.engine.recurrent import StateCache
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch

@@ -1,4 +1,4 @@
-"""Which models the engine serves exactly, how they load, and the shape of their paged KV cache.
+"""Which models the engine serves exactly, and the shape of their paged KV cache (model_loading.py loads them).
 
 A model is accepted only if its type is in `SUPPORTED_MODEL_TYPES` (each one verified token for token
 against transformers `generate`; a vision-language type there is served text-only: Gemma 3's or 4's
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import inspect
 import traceback
-from pathlib import Path
 
 import torch
 import transformers
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from rollout.config import EngineConfig
-from workers.engine import memory
-from workers.engine.attention import ATTN_IMPLEMENTATION, AttentionBackend, set_backend
+from workers.engine.attention import AttentionBackend, set_backend
 from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
@@ -125,43 +122,6 @@ def adapt_model(model: transformers.PreTrainedModel) -> tuple[KvLayout, Mixers]:
     cache_rope_init(model)
     freeze_dynamic_rope(model)
     return layout, mixers
-
-
-def load_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
-    """The checkpoint's config as transformers' own class for its model type, so that its model loads with
-    transformers' modelling code, the code the engine is verified against. Another package may register its
-    classes over a transformers type: flash-linear-attention does for 'mamba' and 'mamba2' once imported, and
-    transformers imports it for Gated DeltaNet layers. Remote code (`trust_remote_code`) is left as it is."""
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    own = CONFIG_MAPPING_NAMES.get(config.model_type)
-    package = type(config).__module__.partition(".")[0]
-    if own is None or package in ("transformers", "transformers_modules"):
-        return config
-    return getattr(transformers, own).from_pretrained(path)
-
-
-def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
-    """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
-    to the paged cache."""
-    path = Path(config.model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
-    trust = {"trust_remote_code": config.trust_remote_code}
-    try:
-        hf_config = load_config(path, config.trust_remote_code)
-        check_config(hf_config)
-        on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config),
-            attn_implementation=ATTN_IMPLEMENTATION, **on_cuda, **trust)
-    except (OSError, KeyError) as err:
-        raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
-    except ValueError as err:
-        if "trust_remote_code" not in str(err):
-            raise
-        raise ValueError(f"EngineConfig.model={config.model!r} needs the Python code it ships (config.json "
-                         "auto_map); it runs only with EngineConfig.trust_remote_code=True") from err
-    return model.eval()
 
 
 # A model with no position limit (a state-space model has no position embeddings) serves this many tokens

@@ -1,0 +1,71 @@
+"""Loading a checkpoint with transformers' own classes for its model type (the code the engine is verified
+against): its config, checked before any weight loads, then the model on its device."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from rollout.config import EngineConfig
+from workers.engine import memory
+from workers.engine.attention import ATTN_IMPLEMENTATION
+from workers.engine.model_support import check_config, refuse
+
+
+def load_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
+    """The checkpoint's config as transformers' own class for its model type, so that its model loads with
+    transformers' modelling code, the code the engine is verified against. Another package may register its
+    classes over a transformers type: flash-linear-attention does for 'mamba' and 'mamba2' once imported, and
+    transformers imports it for Gated DeltaNet layers. Remote code (`trust_remote_code`) is left as it is."""
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    own = CONFIG_MAPPING_NAMES.get(config.model_type)
+    package = type(config).__module__.partition(".")[0]
+    if own is None or package in ("transformers", "transformers_modules"):
+        return config
+    return getattr(transformers, own).from_pretrained(path)
+
+
+def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
+    """The model of `config.model` loaded straight onto its device, in eval mode, attention routed
+    to the paged cache."""
+    path = Path(config.model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"EngineConfig.model={config.model!r} is not a model directory (no config.json)")
+    with _load_errors(config):
+        hf_config = load_config(path, config.trust_remote_code)
+    check_config(hf_config)
+    _refuse_remote_model_code(hf_config, config.trust_remote_code)
+    on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
+    with _load_errors(config):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config),
+            attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=config.trust_remote_code, **on_cuda)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _load_errors(config: EngineConfig) -> Iterator[None]:
+    """transformers' loading errors as ValueErrors that name the model directory, or the flag it needs."""
+    try:
+        yield
+    except (OSError, KeyError) as err:
+        raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"EngineConfig.model={config.model!r} needs the Python code it ships (config.json "
+                         "auto_map); it runs only with EngineConfig.trust_remote_code=True") from err
+
+
+def _refuse_remote_model_code(hf_config: transformers.PretrainedConfig, trust_remote_code: bool) -> None:
+    """Trusted, a checkpoint's own model class (config.json auto_map) would replace transformers' class for
+    its type, the code the engine is verified against; refused, before its weights load."""
+    remote = (getattr(hf_config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if trust_remote_code and remote:
+        raise refuse(hf_config.model_type, f"the checkpoint's own modelling code (auto_map AutoModelForCausalLM="
+                     f"{remote!r}) in place of transformers'; with trust_remote_code=False transformers' own "
+                     f"{hf_config.model_type!r} class loads")
