@@ -81,7 +81,8 @@ def filtered_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         others = torch.arange(vocab, device=x.device)[None, :] != x.argmax(dim=-1, keepdim=True)
         x = x.masked_fill(others & (b.top_k == 1)[:, None], float("-inf"))
     if f.top_p:
-        probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
+        # stable: tied tokens keep their index order, so the same ones pass top-p in any batch (CUDA's sort is not)
+        probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True, stable=True)
         before = probs.cumsum(dim=-1) - probs
         drop_sorted = (before >= b.top_p[:, None]) & (b.top_p < 1)[:, None]  # float32 sums reach 1 early
         x = x.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
