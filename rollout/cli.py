@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         from ray.exceptions import RayError  # loaded already whenever Ray could have raised
 
-        if not isinstance(err, (ValueError, RuntimeError, TimeoutError, RayError)):
+        if not isinstance(err, (ValueError, RuntimeError, OSError, RayError)):  # OSError: ConnectionError too
             raise
         parser.exit(2, f"rollout {args.command}: error: {err}\n")
 
@@ -108,7 +108,8 @@ def _sampling_options() -> argparse.ArgumentParser:
 def _cluster_options() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--address", default="auto", help=(
-        "Ray cluster to join (default: auto = RAY_ADDRESS, as set in a Ray job, or the local head node)"))
+        "Ray cluster to join, HOST:PORT (default: auto = RAY_ADDRESS, as set in a Ray job, or the head node "
+        "`ray start --head` started on this machine; never another process's embedded Ray)"))
     return options
 
 

@@ -46,9 +46,15 @@ def stop_local_ray() -> None:
 
 
 def join_cluster(address: str, namespace: str) -> None:
-    """Join the cluster at `address` ("auto": RAY_ADDRESS, or the head node on this machine) as a driver.
+    """Join the cluster at `address` ("auto": RAY_ADDRESS, or the head node `ray start` left on this
+    machine; never some other process's Ray found running, as Ray's own "auto" would) as a driver.
     A cluster on 127.0.0.1 is joined on 127.0.0.1: otherwise Ray rewrites the address to this machine's
     IP, where nothing listens, and retries for ever."""
+    if address == "auto":
+        address = services.get_ray_address_from_environment(None, None)
+        if address is None:
+            raise ConnectionError("no Ray cluster to join: RAY_ADDRESS is unset and no head node was started on "
+                                  "this machine with `ray start --head`; pass its address (HOST:PORT)")
     try:
         resolved = services.get_ray_address_from_environment(address, None)
         host = parse_address(resolved)[0] if resolved not in (None, "auto", "local") else None

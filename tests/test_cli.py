@@ -8,6 +8,8 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+import ray
+from ray._private import services
 
 from rollout.cli import main
 from rollout.demo import DEMO_PROMPTS
@@ -74,6 +76,18 @@ def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
         main([arg.format(**files) for arg in argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "stop"])
+def test_auto_without_a_cluster_exits_with_a_message(command, monkeypatch, capsys):
+    """`--address auto` means RAY_ADDRESS or the head node `ray start` left here, never another process's
+    embedded Ray that happens to run (Ray's own "auto" joins any it finds); no such cluster is an error."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--address", "auto"])
+    assert exit_info.value.code == 2 and not ray.is_initialized()
+    assert f"rollout {command}: error: no Ray cluster to join: RAY_ADDRESS is unset" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["sample", "demo", "serve", "stop"])
