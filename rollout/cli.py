@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -17,6 +16,7 @@ import tomllib
 
 from rollout.config import LOCAL_CONFIG, load_service_config
 from rollout.params import SamplingParams
+from rollout.prompt_file import at_line, read_prompts
 
 _SAMPLING_FLAGS = {  # SamplingParams field -> (type, help); --help shows SamplingParams' defaults
     "temperature": (float, "sampling temperature; 0 = greedy"),
@@ -119,12 +119,14 @@ def _sample(args: argparse.Namespace) -> int:
     import rollout
     from rollout.stream import sampling_params
 
-    prompts = read_prompts(args.prompts)
+    prompts, lines = read_prompts(args.prompts)
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
     rollout.init(args.config, **_overrides(args))
     try:
         _run(prompts, args)
+    except ValueError as err:  # the engines' errors name a prompt by its place in the call
+        raise at_line(err, args.prompts, lines) from None
     finally:
         rollout.shutdown()
     return 0
@@ -227,33 +229,6 @@ def summary(table: pa.Table, seconds: float) -> str:
     preemptions = pc.sum(table.column("num_preemptions")).as_py() or 0
     return (f"{table.num_rows} samples, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s); "
             f"finish: {finished or '-'}; {preemptions} preemptions")
-
-
-def read_prompts(path: Path) -> list[str | list[int]]:
-    """Prompts of a JSONL file: per line a string, a token-id list, or an object with a "prompt" field."""
-    if not path.is_file():
-        raise ValueError(f"prompt file {str(path)!r} does not exist")
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON ({err})") from None
-        prompt = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(prompt, (str, list)):
-            raise ValueError(f"{path}:{number}: expected a string, a token-id list or {{\"prompt\": ...}}, "
-                             f"got {prompt!r:.60}")
-        if not prompt:
-            raise ValueError(f"{path}:{number}: the prompt is empty")
-        bad = [t for t in prompt if type(t) is not int or t < 0] if isinstance(prompt, list) else []
-        if bad:
-            raise ValueError(f"{path}:{number}: {bad[0]!r} is not a token id (an integer >= 0)")
-        prompts.append(prompt)
-    if not prompts:
-        raise ValueError(f"prompt file {str(path)!r} holds no prompts")
-    return prompts
 
 
 def check_out(path: Path) -> None:

@@ -53,10 +53,19 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     assert {len(tokens) for tokens in table.column("token_ids").to_pylist()} == {5}
     summary = capsys.readouterr().out
     assert "12 samples, 60 tokens" in summary and "0 preemptions" in summary
+    prompts.write_text('"ok"\n\n\n[1, 99999]\n')  # the engines' check, named by the file's line
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--model", model_dir("qwen3"), "--prompts", str(prompts), "--num-workers", "1",
+              "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert f"{prompts}:4: the prompt has token id 99999 outside the vocabulary" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["sample", "--prompts", "{missing}", "--out", "x.parquet"], "does not exist"),
+    (["sample", "--prompts", "{folder}", "--out", "x.parquet"], "is not a file"),
+    (["sample", "--prompts", "{binary}", "--out", "x.parquet"], "is not UTF-8 text"),
+    (["sample", "--prompts", "{keyless}", "--out", "x.parquet"], ":1: an object needs a \"prompt\" field"),
     (["sample", "--prompts", "{bad}", "--out", "x.parquet"], ":2: not JSON"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows"], "FIELD=VALUE"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows=0"], "flush_rows=0"),
@@ -70,8 +79,11 @@ def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
     (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
     (tmp_path / "good.jsonl").write_text('"ok"\n')
     (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "binary.jsonl").write_bytes(b'"ok"\n\xff\n')
+    (tmp_path / "keyless.jsonl").write_text('{"text": "ok"}\n')
+    (tmp_path / "folder.jsonl").mkdir()
     files = {name: tmp_path / f"{'none' if name == 'missing' else name}.jsonl"
-             for name in ("missing", "bad", "good", "empty")}
+             for name in ("missing", "bad", "good", "empty", "binary", "keyless", "folder")}
     with pytest.raises(SystemExit) as exit_info:
         main([arg.format(**files) for arg in argv])
     assert exit_info.value.code == 2
