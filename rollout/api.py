@@ -37,7 +37,8 @@ def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) ->
         if not ray.is_initialized():
             if not (Path(config.engine.model) / "config.json").is_file():
                 raise ValueError(f"engine.model={config.engine.model!r} is not a model directory (no config.json); "
-                                 "pass rollout.init(model=DIR), or run `rollout demo` once to build the tiny default")
+                                 "pass rollout.init(model=DIR) (`--model DIR` on the command line), or run "
+                                 "`rollout demo` once to build the tiny default")
             start_local_ray(config)
             _owns_ray = True
         try:

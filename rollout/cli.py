@@ -248,7 +248,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--set {item!r} must have the form FIELD=VALUE")
         try:
             out[field.strip()] = tomllib.loads(f"value = {value}")["value"]
-        except tomllib.TOMLDecodeError:
+        except tomllib.TOMLDecodeError as err:
+            if value.lstrip()[:1] in ("[", "{", '"', "'"):
+                raise ValueError(f"--set {item!r}: the value is not TOML ({err})") from None
             out[field.strip()] = value  # a bare string, e.g. --set model=/models/x
     if args.model is not None:
         out["model"] = args.model

@@ -56,10 +56,16 @@ from trainer_client import to_torch  # noqa: E402
 N = 8  # samples per prompt: one GRPO group
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except None (such flags say in their help what leaving them out does)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's flags, each with its help."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_DefaultsShown)
     p.add_argument("--iterations", type=int, default=20, help="training iterations (sample, score, step, push)")
     p.add_argument("--model", type=Path, default=None,
                    help="Hugging Face model directory (default: the demo's tiny random model, built on first use)")

@@ -69,6 +69,7 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     (["sample", "--prompts", "{bad}", "--out", "x.parquet"], ":2: not JSON"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows"], "FIELD=VALUE"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "flush_rows=0"], "flush_rows=0"),
+    (["sample", "--prompts", "{good}", "--out", "x.parquet", "--set", "cuda_graphs=[false, tru]"], "is not TOML"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--top-p", "2"], "top_p=2.0"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--stop", "</answer>", ""], "stop=['</answer>', '']"),
     (["sample", "--prompts", "{empty}", "--out", "x.parquet"], "holds no prompts"),
