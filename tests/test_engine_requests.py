@@ -76,10 +76,12 @@ def test_stop_conditions(qwen3):
     assert capped["finish_reason"] == "length" and len(capped["token_ids"]) == 30 - 10
 
 
-def test_max_model_len_past_the_models_limit_is_refused(qwen3):
+def test_max_model_len_past_the_models_limit_is_refused(qwen3, monkeypatch):
     """As in vLLM: a length the model's positions do not reach is an error at construction, not lowered."""
     assert make_engine(qwen3).max_model_len == 1024 and make_engine(qwen3, max_model_len=1024).max_model_len == 1024
-    with pytest.raises(ValueError, match=r"max_model_len=1025 is longer than the model's max_position_embeddings=1024"):
+    with monkeypatch.context() as patch, pytest.raises(
+            ValueError, match=r"max_model_len=1025 is longer than the model's max_position_embeddings=1024"):
+        patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # refused before any weight loads
         make_engine(qwen3, max_model_len=1025)
 
 

@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from rollout.config import EngineConfig
 from workers.engine import memory
 from workers.engine.attention import ATTN_IMPLEMENTATION
-from workers.engine.model_support import check_config, refuse
+from workers.engine.model_support import check_config, max_model_len, refuse
 
 
 def load_config(path: str | Path, trust_remote_code: bool = False) -> transformers.PretrainedConfig:
@@ -39,6 +39,7 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
         hf_config = load_config(path, config.trust_remote_code)
     check_config(hf_config)
     _refuse_remote_model_code(hf_config, config.trust_remote_code)
+    max_model_len(config, hf_config.get_text_config(decoder=True))  # a length past the model's, refused here
     on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
     with _load_errors(config):
         model = transformers.AutoModelForCausalLM.from_pretrained(
