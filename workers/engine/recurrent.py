@@ -23,6 +23,7 @@ import torch
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionMetadata, current_metadata
 from workers.engine.delta_rule import SlotState, SlotWindow, install_in_place
+from workers.engine.mamba_step import clamping
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class Mixers:
             name = _cache_arg(module)
             if name is not None:
                 self.layers.append(module.layer_idx)
-                module.forward = self._wrap(module.forward, name)
+                module.forward = self._wrap(clamping(module, module.forward), name)
                 kinds = install_in_place(type(module))
                 self.delta_rule_states |= {(module.layer_idx, kind) for kind in kinds}
 
