@@ -246,6 +246,13 @@ ZOO: dict[str, tuple[type, dict]] = {
                                       "mamba_d_state": 8}),  # attention and Mamba side by side in every layer
     "nemotron_h": (tf.NemotronHConfig, {**_LLAMA_LIKE, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
                                         "mamba_head_dim": 16, "n_groups": 1, "ssm_state_size": 8}),
+    # Nemotron-H's published patterns hold MLP ("-") and MoE ("E") blocks between its Mamba and attention layers
+    "nemotron_h_blocks": (tf.NemotronHConfig, {**_LLAMA_LIKE, "hybrid_override_pattern": "M-*E", "num_hidden_layers": 4,
+                                               "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1,
+                                               "ssm_state_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 16, "n_shared_experts": 1,
+                                               "moe_shared_expert_intermediate_size": 16, "n_group": 1,
+                                               "topk_group": 1}),
     # Mamba layers that restart from zero state at a multi-token forward: prompt chunks after the first go stepwise
     "jamba": (tf.JambaConfig, {**_LLAMA_LIKE, "num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
                                "use_mamba_kernels": False}),

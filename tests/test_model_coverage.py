@@ -21,7 +21,7 @@ from workers.engine.longrope import uses_longrope
 # linear-attention and state-space hybrids (workers/engine/recurrent.py)
 HYBRID = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
           "lara_mini", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3", "granitemoehybrid", "bamba", "falcon_h1",
-          "nemotron_h", "jamba", "mamba2", "mamba", "falcon_mamba"]
+          "nemotron_h", "nemotron_h_blocks", "jamba", "mamba2", "mamba", "falcon_mamba"]
 ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", "qwen3", "mistral", "gemma2",
             "gemma3_text", "phi3", "phi3_longrope", "olmo2", "stablelm", "cohere", "granite", "starcoder2", "gpt2",
             "gpt_neox", "opt", "persimmon", "gemma", "phi", "olmo", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",

@@ -57,6 +57,13 @@ def test_preempted_sequences_keep_their_state(zoo_dir, name, offload, async_batc
     assert stats["restores"] > 0 if offload else stats["recomputes"] > 0 and stats["offloads"] == 0
 
 
+def test_feed_forward_blocks_beside_mixers_through_forks_and_preemption(zoo_dir):
+    """Nemotron-H's published patterns put MLP ("-") and MoE ("E") blocks, neither attention nor state,
+    between its Mamba and attention layers."""
+    stats = assert_every_sample_exact(zoo_dir("nemotron_h_blocks"), n=2, num_blocks=12, cpu_offload_gib=0.5)
+    assert stats["forks"] > 0 and stats["restores"] > 0
+
+
 def test_the_cpu_pool_keeps_a_state_slot_per_offloaded_sequence(zoo_dir):
     """State slots take up to half the pool, at most one per sequence, and KV blocks the rest, at most what
     every sequence could hold (here 4 sequences of 256 tokens: 128 blocks of 8)."""

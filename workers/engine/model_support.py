@@ -49,6 +49,8 @@ _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _STEPWISE_STATE_TYPES = {"jamba", "mamba", "falcon_mamba"}
 # Layers whose state recurrent.py keeps: accepted in the verified types only.
 _MIXER_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
+# Layers without attention or state (Nemotron-H's "-" and "E" blocks): accepted in the verified types only.
+_FEED_FORWARD_LAYER_TYPES = {"mlp", "moe"}
 _NO_ATTENTION_INTERFACE = "attention that bypasses transformers' AttentionInterface"
 # The feature that rules out a known model type, when no config field says it on its own.
 _REFUSED_MODEL_TYPES = {
@@ -77,7 +79,8 @@ def check_config(config: transformers.PretrainedConfig) -> None:
     if model_type in _REFUSED_MODEL_TYPES:
         features.append(_REFUSED_MODEL_TYPES[model_type])
     layer_types = getattr(text, "layer_types", None) or []
-    served = _ATTENTION_LAYER_TYPES | (_MIXER_LAYER_TYPES if model_type in SUPPORTED_MODEL_TYPES else set())
+    verified = _MIXER_LAYER_TYPES | _FEED_FORWARD_LAYER_TYPES if model_type in SUPPORTED_MODEL_TYPES else set()
+    served = _ATTENTION_LAYER_TYPES | verified
     features += [f"layer type {t!r}" for t in sorted(set(layer_types) - served, key=str)]
     if not features and model_type not in SUPPORTED_MODEL_TYPES:
         features.append("an architecture not verified against transformers "
@@ -164,17 +167,20 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
 
     Raises `ValueError` unless every decoder layer either calls our attention exactly once with K and V
     of one shape (values narrower than keys, as in multi-head latent attention with expanded K/V, arrive
-    padded; a latent layer's values are the first columns of its keys, stored once), or is
-    one of `mixer_layers` (linear attention, state space; those may attend too); so attention outside the
-    interface is refused. A layer handed the very K/V tensors an earlier layer computed (KV sharing) reads
-    that layer's cache.
+    padded; a latent layer's values are the first columns of its keys, stored once), or is one of
+    `mixer_layers` (linear attention, state space; those may attend too), or is a feed-forward block by its
+    config's `layer_types` (Nemotron-H's); so attention outside the interface is refused. A layer handed
+    the very K/V tensors an earlier layer computed (KV sharing) reads that layer's cache.
     """
     probe = _ShapeProbe()
     model_type = model.config.model_type
     _probe_forward(model, probe)
     layers = [layer for layer, _, _ in probe.calls]
-    expected = list(range(model.config.get_text_config(decoder=True).num_hidden_layers))
-    if sorted(set(layers) | set(mixer_layers)) != expected or len(set(layers)) != len(layers):
+    text = model.config.get_text_config(decoder=True)
+    expected = list(range(text.num_hidden_layers))
+    kinds = getattr(text, "layer_types", None) or []
+    feed_forward = [i for i, kind in enumerate(kinds) if kind in _FEED_FORWARD_LAYER_TYPES]
+    if sorted(set(layers) | set(mixer_layers) | set(feed_forward)) != expected or len(set(layers)) != len(layers):
         raise refuse(model_type, f"{_NO_ATTENTION_INTERFACE} or non-attention layers "
                                  f"(layers calling paged attention: {layers}; state-space layers: {mixer_layers})")
     masked = _windows_only_masked(model, probe.windows)
