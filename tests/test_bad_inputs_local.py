@@ -196,7 +196,7 @@ def cli(tmp_path, model_dir, capsys):
     (["--num-workers", "0"], None, "ServiceConfig.num_workers=0", "no workers"),
     ([], "[5, -2]\n", "-2 is not a token id", "negative token id in the prompt file"),
     ([], '[5, "x"]\n', "'x' is not a token id", "token id not an int in the prompt file"),
-    ([], "{\"text\": \"hi\"}\n", "got None", "object without a prompt"),
+    ([], "{\"text\": \"hi\"}\n", "an object needs a \"prompt\" field, got keys ['text']", "object without a prompt"),
     ([], "[5, 6\n", "not JSON", "prompt line not JSON"),
     ([], "\n\n", "holds no prompts", "empty prompt file"),
     ([], "[]\n", "the prompt is empty", "empty prompt in the file"),
