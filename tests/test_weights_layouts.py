@@ -55,3 +55,20 @@ def test_names_transformers_ignores_on_load_are_ignored_and_no_others(zoo_dir):
     with pytest.raises(ValueError, match="unexpected 'model.vision.extra'"):
         engine.update_weights({**state, "model.vision.extra": torch.zeros(2)}, version=2)
     assert engine.policy_version == 1
+
+
+@pytest.mark.parametrize("name, alias", [("gpt_neox", "embed_out.weight"), ("qwen3_moe", ".experts.0."),
+                                         ("qwen3_5", "model.language_model.")])
+def test_one_tensor_under_two_names_is_refused_and_nothing_changes(zoo_dir, name, alias):
+    """A checkpoint-layout name beside the model's own name for the same tensor (a stale shard in the other
+    layout, say): which value would win is arbitrary, so the update is refused, by the header check too."""
+    engine = make_engine(zoo_dir(name))
+    before = {key: value.clone() for key, value in engine.state_dict().items()}
+    both = {**dict(load_source(zoo_dir(name, seed=1))), **make_engine(zoo_dir(name, seed=2)).state_dict()}
+    assert any(alias in key for key in both)
+    for check in (lambda: engine.validate_weights({key: value.to("meta") for key, value in both.items()}),
+                  lambda: engine.update_weights(both, version=1)):
+        with pytest.raises(ValueError, match=r"weights refused, nothing was changed: '.*' is given twice, as '"):
+            check()
+    assert engine.policy_version == 0
+    torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)

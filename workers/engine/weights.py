@@ -44,18 +44,35 @@ def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
     out: dict[str, torch.Tensor] = {}
+    given: dict[str, str] = {}  # each model name: the name(s) it was given as
     pending: dict[str, WeightConverter] = {}
+    sources: dict[str, list[str]] = {}
     for name, tensor in sorted(state.items(), key=lambda item: dot_natural_key(item[0])):
         tensor = torch.as_tensor(tensor)
         new, pattern = (name, None) if name in targets else rename_source_key(
             name, renamings, converters, getattr(model, "base_model_prefix", None), targets)
         if pattern is None:
-            out[new if new in targets else name] = tensor
+            target = new if new in targets else name
+            out[_claim(given, target, name)] = tensor
         else:
             pending.setdefault(new, deepcopy(by_pattern[pattern])).add_tensor(new, name, pattern, tensor)
+            sources.setdefault(new, []).append(name)
     for first, converter in pending.items():
-        out.update(_convert(model, first, converter))
+        made = _convert(model, first, converter)
+        names = sources[first]
+        source = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+        out.update({_claim(given, target, source): value for target, value in made.items()})
     return out
+
+
+def _claim(given: dict[str, str], target: str, source: str) -> str:
+    """`target`, recorded as given as `source`; ValueError when another name gave it already (a stale shard
+    in the other layout, say), as which of the two values would win is arbitrary."""
+    if target in given:
+        raise ValueError(f"weights refused, nothing was changed: {target!r} is given twice, as {given[target]!r} "
+                         f"and as {source!r}")
+    given[target] = source
+    return target
 
 
 def _convert(model: torch.nn.Module, first: str, converter: WeightConverter) -> dict[str, torch.Tensor]:
