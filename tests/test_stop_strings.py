@@ -7,6 +7,7 @@ import pytest
 
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
+from workers.engine import stop_strings
 from workers.engine.stop_strings import stops_completed
 from workers.engine.tokenizer import load_tokenizer
 
@@ -76,6 +77,20 @@ def test_a_string_spread_over_many_tokens_is_found(model_dir):
         want = [stop in text and stop not in before for before, text in zip(texts, texts[1:])]
         samples = [(prompt + generated[:end], len(prompt)) for end in range(1, len(generated) + 1)]
         assert stops_completed(tokenizer, samples, [[stop]] * len(samples)) == want and sum(want) == 1, stop
+
+
+def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monkeypatch):
+    """With `ignore_eos` a sample may emit EOS after EOS: a token that decodes to nothing completes no string,
+    so such a step decodes nothing of the sample (its tail would widen over the whole run, every step)."""
+    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    decoded = []
+    decode = stop_strings._decode
+    monkeypatch.setattr(stop_strings, "_decode", lambda tok, batch: decoded.append(sum(map(len, batch))) or decode(
+        tok, batch))
+    prompt = tokenizer.encode("Q:")
+    tokens = prompt + tokenizer.encode("some text") + [tokenizer.eos_token_id] * 2000
+    assert stops_completed(tokenizer, [(tokens, len(prompt))], [["</answer>"]]) == [False]
+    assert sum(decoded) <= len(tokenizer.all_special_ids)
 
 
 def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir):

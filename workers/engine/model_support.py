@@ -134,7 +134,8 @@ UNBOUNDED_MAX_MODEL_LEN = 32768
 
 def max_model_len(config: EngineConfig, hf: transformers.PretrainedConfig) -> int:
     """`config.max_model_len`, or the model's `max_position_embeddings` (UNBOUNDED_MAX_MODEL_LEN for a model
-    without one). A length past the model's limit is refused, as vLLM does, rather than lowered in silence."""
+    without one). A length past the model's limit is refused rather than lowered in silence (vLLM refuses it
+    too, though it first extends the limit by a RoPE scaling factor, which transformers does not)."""
     limit = getattr(hf, "max_position_embeddings", None)
     if config.max_model_len is None:
         return limit or UNBOUNDED_MAX_MODEL_LEN

@@ -6,7 +6,8 @@ at the same token, so whatever decoding does at a cut-off start is the same in b
 twice as many tokens as the longest string has characters. A tail without any of the strings is decoded
 only once: its text less the newest token's (decoded alone, at most one character shorter than in place)
 must still hold the longest string, else (tokens of a few bytes of one character, special tokens that
-decode to nothing) the tail is doubled until it does or reaches the first generated token.
+decode to nothing) the tail is doubled until it does or reaches the first generated token. A special token
+that decodes to nothing completes no string, so a sample whose newest token is one is not decoded at all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[tuple[
     longest = [max(map(len, strings)) for strings in stops]
     widths = [2 * n + _SLACK for n in longest]
     hits = [False] * len(samples)
-    todo = list(range(len(samples)))
+    silent = _silent_ids(tokenizer)
+    todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in silent]
     while todo:
         tails = [_tail(*samples[i], widths[i]) for i in todo]
         texts = _decode(tokenizer, tails + [tail[-1:] for tail in tails])
@@ -42,6 +44,13 @@ def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[tuple[
         for i in todo:
             widths[i] *= 2
     return hits
+
+
+def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Special tokens that decode to nothing (skipped): as the newest token, none completes a string, and a
+    run of them (EOS after EOS with `ignore_eos`) would otherwise widen the tail to the whole sample."""
+    ids = tokenizer.all_special_ids
+    return frozenset(i for i, text in zip(ids, _decode(tokenizer, [[i] for i in ids])) if not text)
 
 
 def _too_short(chars_before: int, longest: int, width: int, sample: tuple[Sequence[int], int]) -> bool:
