@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
 
 import pyarrow as pa
 import ray
@@ -57,13 +57,15 @@ class SampleCall:
         self.repeats = prompt_repeats(prompts)
         self.streams: list[_Stream] = []
         self.events: asyncio.Queue = asyncio.Queue()
+        self.aborted: Exception | None = None
+        self._abort_event = asyncio.Event()
         self._serial = itertools.count()
 
     async def run(self) -> AsyncIterator[pa.RecordBatch | int]:
         """Yield the number of samples once every prompt is queued on a worker, then record batches in
         arrival order until none is missing. Leaving early (cancel, error) cancels the workers' streams."""
         try:
-            await self._send(list(self.missing))
+            await self._unless_aborted(self._send(list(self.missing)))
             yield len(self.prompts) * self.params.n
             while any(self.missing.values()):
                 stream, item = await self.events.get()
@@ -73,7 +75,7 @@ class SampleCall:
                 elif isinstance(item, _LOST):
                     self._drop(stream)
                     self.pool.lose(stream.worker, stream.handle, item)
-                    await self._send([i for i in stream.prompts if self.missing[i]])
+                    await self._unless_aborted(self._send([i for i in stream.prompts if self.missing[i]]))
                 elif item is _END:
                     self._drop(stream)
                     if any(self.missing[i] for i in stream.prompts):
@@ -119,8 +121,24 @@ class SampleCall:
         return []
 
     def abort(self, reason: Exception) -> None:
-        """End the call with `reason` (raised by `run`), cancelling its workers' streams."""
-        self.events.put_nowait((None, reason))
+        """End the call with `reason` (raised by `run`), cancelling its workers' streams, also while it waits
+        for a worker to take its samples (every worker down, say); a second abort changes nothing."""
+        if self.aborted is None:
+            self.aborted = reason
+            self._abort_event.set()
+            self.events.put_nowait((None, reason))
+
+    async def _unless_aborted(self, routing: Coroutine[Any, Any, None]) -> None:
+        """Await `routing` (a `_send`), or stop it and raise the abort's reason once the call is aborted."""
+        task = asyncio.ensure_future(routing)
+        aborted = asyncio.ensure_future(self._abort_event.wait())
+        await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        aborted.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # the streams it opened are in self.streams
+            raise self.aborted
+        task.result()
 
     def _receive(self, stream: _Stream, batch: pa.RecordBatch) -> None:
         prompts = batch.column("prompt_index").to_pylist()

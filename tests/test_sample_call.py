@@ -103,3 +103,21 @@ def test_a_lost_workers_replacement_keeps_its_load_when_the_old_streams_end(pool
     pool.workers[0], pool.load[0] = stand_in_worker(served, 0), 0  # admitted under the same id
     pool.release(0, old, 5)
     assert pool.load == {0: 0, 1: 0}
+
+
+def test_an_aborted_call_ends_while_it_waits_for_a_worker(pool):
+    """Every worker down and a replacement starting: a call aborted meanwhile (its caller died) ends at once
+    with the abort's reason, instead of waiting for the replacement and handing it the dead caller's work."""
+    pool, served = pool
+
+    async def aborted_while_waiting() -> None:
+        for worker, handle in list(pool.workers.items()):
+            pool.lose(worker, handle, RayActorError())
+        pool.replacing = {0: asyncio.get_running_loop().create_future()}  # never admitted
+        call = SampleCall(pool, [[5, 6]], SamplingParams(n=2), num_blocks=64)
+        asyncio.get_running_loop().call_later(0.05, call.abort, RuntimeError("the caller died"))
+        with pytest.raises(RuntimeError, match="the caller died"):
+            await asyncio.wait_for(anext(call.run()), timeout=2)
+
+    asyncio.run(aborted_while_waiting())
+    assert served == []
