@@ -78,6 +78,12 @@ def test_cpu_pool_takes_exactly_its_blocks_bytes():
     assert pool.num_blocks == 10 and pool.nbytes == 10 * per_block
 
 
+def test_a_cpu_pool_too_small_for_one_block_warns_that_preemption_recomputes():
+    cache = torch.zeros(2, 2, 4, 16, 2, 8)
+    with pytest.warns(UserWarning, match=r"cpu_offload_gib=1e-09 holds no KV block \(4096 bytes each\)"):
+        assert CpuPool(KvCache.of(cache), gib=1e-9).num_blocks == 0
+
+
 def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
     cache = torch.randn(2, 2, 6, 4, 1, 2)
     pool = CpuPool(KvCache.of(cache), gib=8 * cache[:, :, 0].numel() * 4 / GIB)

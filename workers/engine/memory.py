@@ -25,7 +25,15 @@ CPU_KV_CAP_GIB = 4.0  # so that two default workers sit comfortably on a 24 GiB 
 
 
 def available_ram_bytes() -> int:
-    """Physical memory not in use right now (Linux and macOS)."""
+    """Physical memory new allocations can take without swapping: Linux's MemAvailable (free memory and the
+    page cache the kernel can drop, such as a checkpoint just read), else the free pages (macOS)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -32,8 +32,8 @@ def cpu_pool_bytes(gib: float) -> int:
     want = int(gib * 2**30)
     cap = int(available_ram_bytes() * SAFE_RAM_FRACTION)
     if want > cap:
-        warnings.warn(f"cpu_offload_gib={gib} exceeds {SAFE_RAM_FRACTION:.0%} of free RAM; "
-                      f"the CPU pool is capped at {cap / 2**30:.2f} GiB", stacklevel=3)
+        warnings.warn(f"cpu_offload_gib={gib} exceeds {SAFE_RAM_FRACTION:.0%} of available RAM; "
+                      f"the CPU pool gets at most {cap / 2**30:.2f} GiB", stacklevel=3)
         want = cap
     return want
 
@@ -68,6 +68,9 @@ class CpuPool:
         self.num_blocks = (budget - num_states * per_slot) // self.bytes_per_block
         if max_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_blocks)
+        if gib > 0 and self.num_blocks <= 0:
+            warnings.warn(f"cpu_offload_gib={gib} holds no KV block ({self.bytes_per_block} bytes each): "
+                          "preempted requests are recomputed", stacklevel=3)
         self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)
                        for t in kv_cache.tensors]
         self.free: deque[int] = deque(range(self.num_blocks))
