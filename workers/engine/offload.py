@@ -28,7 +28,7 @@ STATE_SHARE = 0.5  # of the pool, at most, for recurrent-state slots (one per of
 
 
 def cpu_pool_bytes(gib: float) -> int:
-    """`gib` GiB in bytes, capped at a safe fraction of free RAM (with a warning)."""
+    """`gib` GiB in bytes, capped at a safe fraction of available RAM (with a warning)."""
     want = int(gib * 2**30)
     cap = int(available_ram_bytes() * SAFE_RAM_FRACTION)
     if want > cap:
