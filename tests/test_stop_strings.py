@@ -8,7 +8,7 @@ import pytest
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
 from workers.engine import stop_strings
-from workers.engine.stop_strings import stops_completed
+from workers.engine.stop_strings import StopStrings
 from workers.engine.tokenizer import load_tokenizer
 
 PROMPTS = random_prompts(3, 512, (4, 12), seed=3)
@@ -58,7 +58,7 @@ def test_a_string_is_completed_only_by_its_last_token(model_dir, clean_up):
     prompt = tokenizer.encode("A dog and a fo")
     tokens = prompt + tokenizer.encode("x jumps over the lazy dog.")
     prefixes = [tokens[:end] for end in range(len(prompt) + 1, len(tokens) + 1)]
-    hits = stops_completed(tokenizer, [(p, len(prompt)) for p in prefixes], [["fox", "dog"]] * len(prefixes))
+    hits = StopStrings(tokenizer).completed([(p, len(prompt)) for p in prefixes], [["fox", "dog"]] * len(prefixes))
     completed = [tokenizer.decode(p[len(prompt):]) for p, hit in zip(prefixes, hits) if hit]
     assert completed == ["x jumps over the lazy dog"]
 
@@ -76,7 +76,7 @@ def test_a_string_spread_over_many_tokens_is_found(model_dir):
                        for end in range(1, len(generated) + 1))]
         want = [stop in text and stop not in before for before, text in zip(texts, texts[1:])]
         samples = [(prompt + generated[:end], len(prompt)) for end in range(1, len(generated) + 1)]
-        assert stops_completed(tokenizer, samples, [[stop]] * len(samples)) == want and sum(want) == 1, stop
+        assert StopStrings(tokenizer).completed(samples, [[stop]] * len(samples)) == want and sum(want) == 1, stop
 
 
 def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monkeypatch):
@@ -89,7 +89,7 @@ def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monk
         tok, batch))
     prompt = tokenizer.encode("Q:")
     tokens = prompt + tokenizer.encode("some text") + [tokenizer.eos_token_id] * 2000
-    assert stops_completed(tokenizer, [(tokens, len(prompt))], [["</answer>"]]) == [False]
+    assert StopStrings(tokenizer).completed([(tokens, len(prompt))], [["</answer>"]]) == [False]
     assert sum(decoded) <= len(tokenizer.all_special_ids)
 
 

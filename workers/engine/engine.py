@@ -24,7 +24,7 @@ from workers.engine.recurrent import without_prefix_caching
 from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
-from workers.engine.stop_strings import stops_completed
+from workers.engine.stop_strings import StopStrings
 from workers.engine.tokenizer import encode_prompt, load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
@@ -45,6 +45,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.runner.model)
         warn_unapplied_processors(self.runner.model)
         self.tokenizer = load_tokenizer(config)
+        self.stops = StopStrings(self.tokenizer) if self.tokenizer is not None else None
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = self._new_cpu_pool(config)
         self.runner.log_startup()
@@ -253,8 +254,8 @@ class Engine:
         checked = [seq for seq in seqs if seq.group.params.stop]
         if not checked:
             return set()
-        hits = stops_completed(self.tokenizer, [(seq.token_ids, seq.num_prompt_tokens) for seq in checked],
-                               [seq.group.params.stop for seq in checked])
+        hits = self.stops.completed([(seq.token_ids, seq.num_prompt_tokens) for seq in checked],
+                                    [seq.group.params.stop for seq in checked])
         return {id(seq) for seq, hit in zip(checked, hits) if hit}
 
     def _take_ready(self) -> list[dict]:

@@ -21,29 +21,35 @@ from transformers import PreTrainedTokenizerBase
 _SLACK = 8
 
 
-def stops_completed(tokenizer: PreTrainedTokenizerBase, samples: Sequence[tuple[Sequence[int], int]],
-                    stops: Sequence[Sequence[str]]) -> list[bool]:
-    """For each sample, `(token ids, index of its first generated one)`, whether its last token completes one
-    of its `stops` (in the generated text: the prompt's text never counts)."""
-    longest = [max(map(len, strings)) for strings in stops]
-    widths = [2 * n + _SLACK for n in longest]
-    hits = [False] * len(samples)
-    silent = _silent_ids(tokenizer)
-    todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in silent]
-    while todo:
-        tails = [_tail(*samples[i], widths[i]) for i in todo]
-        texts = _decode(tokenizer, tails + [tail[-1:] for tail in tails])
-        new, newest = texts[:len(tails)], texts[len(tails):]
-        maybe = [k for k, i in enumerate(todo) if any(stop in new[k] for stop in stops[i])]
-        old = dict(zip(maybe, _decode(tokenizer, [tails[k][:-1] for k in maybe])))
-        for k, i in enumerate(todo):
-            if k in old:
-                hits[i] = any(stop in new[k] and stop not in old[k] for stop in stops[i])
-        todo = [i for k, i in enumerate(todo) if k not in old and _too_short(
-            len(new[k]) - len(newest[k]) - 1, longest[i], len(tails[k]), samples[i])]
-        for i in todo:
-            widths[i] *= 2
-    return hits
+class StopStrings:
+    """Which samples' newest token completes one of their stop strings, read with one tokenizer (whose special
+    tokens that decode to nothing are found once, here)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.silent = _silent_ids(tokenizer)
+
+    def completed(self, samples: Sequence[tuple[Sequence[int], int]], stops: Sequence[Sequence[str]]) -> list[bool]:
+        """For each sample, `(token ids, index of its first generated one)`, whether its last token completes
+        one of its `stops` (in the generated text: the prompt's text never counts)."""
+        longest = [max(map(len, strings)) for strings in stops]
+        widths = [2 * n + _SLACK for n in longest]
+        hits = [False] * len(samples)
+        todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in self.silent]
+        while todo:
+            tails = [_tail(*samples[i], widths[i]) for i in todo]
+            texts = _decode(self.tokenizer, tails + [tail[-1:] for tail in tails])
+            new, newest = texts[:len(tails)], texts[len(tails):]
+            maybe = [k for k, i in enumerate(todo) if any(stop in new[k] for stop in stops[i])]
+            old = dict(zip(maybe, _decode(self.tokenizer, [tails[k][:-1] for k in maybe])))
+            for k, i in enumerate(todo):
+                if k in old:
+                    hits[i] = any(stop in new[k] and stop not in old[k] for stop in stops[i])
+            todo = [i for k, i in enumerate(todo) if k not in old and _too_short(
+                len(new[k]) - len(newest[k]) - 1, longest[i], len(tails[k]), samples[i])]
+            for i in todo:
+                widths[i] *= 2
+        return hits
 
 
 def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
