@@ -9,11 +9,13 @@ from rollout.config import EngineConfig
 
 def load_tokenizer(config: EngineConfig) -> transformers.PreTrainedTokenizerBase | None:
     """The model's tokenizer, or None when it has none, it needs a package that is not installed or
-    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused."""
+    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused.
+    A directory without tokenizer files gets an empty tokenizer from transformers 5 (special tokens only): none."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError):
         return None
+    return tokenizer if set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids) else None
 
 
 def encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, text: str) -> list[int]:
