@@ -10,14 +10,14 @@ from workers.engine.block_pool import BlockPool, hash_block
 def test_allocate_release_cache_and_evict_oldest():
     pool = BlockPool(4, 2)
     a, b, c, d = pool.allocate(4)
-    pool.register(a, hash_block(0, [1, 2]), [1, 2])
-    pool.register(b, hash_block(0, [3, 4]), [3, 4])
+    pool.register(a, hash_block(0, [1, 2]), 0, [1, 2])
+    pool.register(b, hash_block(0, [3, 4]), 0, [3, 4])
     pool.release([a, b, c])
     pool.check_integrity([[d]])
     assert (len(pool.free), len(pool.cached), pool.num_available) == (1, 2, 3)
     assert pool.allocate(2) == [c, a], "free blocks first, then the oldest cached one"
-    assert pool.lookup(hash_block(0, [1, 2]), [1, 2]) is None, "an evicted block is forgotten"
-    assert pool.lookup(hash_block(0, [3, 4]), [3, 4]) == b
+    assert pool.lookup(hash_block(0, [1, 2]), 0, [1, 2]) is None, "an evicted block is forgotten"
+    assert pool.lookup(hash_block(0, [3, 4]), 0, [3, 4]) == b
     pool.check_integrity([[d], [c], [a]])
     with pytest.raises(RuntimeError, match="only 1 available"):
         pool.allocate(2)
@@ -26,7 +26,7 @@ def test_allocate_release_cache_and_evict_oldest():
 def test_share_takes_block_out_of_cache():
     pool = BlockPool(2, 2)
     (a,) = pool.allocate(1)
-    pool.register(a, 7, [1, 2])
+    pool.register(a, 7, 0, [1, 2])
     pool.release([a])
     pool.share(a)
     pool.share(a)
@@ -37,9 +37,10 @@ def test_share_takes_block_out_of_cache():
 def test_hit_is_verified_against_tokens():
     pool = BlockPool(2, 2)
     (a,) = pool.allocate(1)
-    pool.register(a, 99, [1, 2])
-    assert pool.lookup(99, [1, 2]) == a
-    assert pool.lookup(99, [2, 1]) is None, "a hash collision must not serve other tokens"
+    pool.register(a, 99, 5, [1, 2])
+    assert pool.lookup(99, 5, [1, 2]) == a
+    assert pool.lookup(99, 5, [2, 1]) is None, "a hash collision must not serve other tokens"
+    assert pool.lookup(99, 6, [1, 2]) is None, "nor the same tokens computed after another prefix"
 
 
 def test_hash_is_chained():
@@ -56,12 +57,12 @@ def test_integrity_catches_refcount_mismatch():
 def test_reset_prefix_cache():
     pool = BlockPool(3, 2)
     a, b = pool.allocate(2)
-    pool.register(a, 1, [1, 2])
-    pool.register(b, 2, [3, 4])
+    pool.register(a, 1, 0, [1, 2])
+    pool.register(b, 2, 0, [3, 4])
     pool.release([a])
     pool.reset_prefix_cache()
     pool.check_integrity([[b]])
-    assert pool.lookup(2, [3, 4]) is None and len(pool.free) == 2
+    assert pool.lookup(2, 0, [3, 4]) is None and len(pool.free) == 2
 
 
 def test_integrity_catches_a_block_twice_in_one_table():

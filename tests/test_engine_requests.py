@@ -14,7 +14,7 @@ import transformers
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
 from tests.conftest import assert_nothing_leaked, hf_greedy, hf_model, make_engine, random_prompts, run
-from workers.engine import Engine
+from workers.engine import Engine, block_pool
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,20 @@ def test_identical_prompt_reuses_all_but_last_token(qwen3):
     b = run(engine, [prompt], GREEDY)
     assert engine.stats()["cached_prefix_tokens"] == 16
     assert a[(0, 0)]["token_ids"] == b[(0, 0)]["token_ids"]
+
+
+def test_a_colliding_block_hash_never_serves_kv_of_another_prefix(qwen3, monkeypatch):
+    """Block `c` is made to hash alike after any parent: `b + c + tail` may reuse the cached `b` but must not
+    be served the KV of `c` computed after `a`, because a hit is checked against its parent's hash as well as
+    its tokens."""
+    a, b, c, d, tail = random_prompts(5, 512, (16, 16), seed=14)
+    real = block_pool.hash_block
+    monkeypatch.setattr(block_pool, "hash_block", lambda parent, tokens: real(0 if tokens == c else parent, tokens))
+    engine = make_engine(qwen3, block_size=16)
+    run(engine, [a + c + tail, b + d + tail], GREEDY)
+    row = run(engine, [b + c + tail], GREEDY)[(0, 0)]
+    assert engine.stats()["cached_prefix_tokens"] == 16
+    assert row["token_ids"] == hf_greedy(qwen3, b + c + tail, new=12)
 
 
 def test_reset_prefix_cache(qwen3):

@@ -113,11 +113,11 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
     for i in range(3):
         seq.block_hashes.append(hash_block(seq.block_hashes[-1] if i else 0, tokens[2 * i:2 * i + 2]))
     for i in (1, 2):  # block 0 stays unregistered (another block held its hash when it completed)
-        pool.register(seq.block_table[i], seq.block_hashes[i], tokens[2 * i:2 * i + 2])
+        pool.register(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1], tokens[2 * i:2 * i + 2])
     assert offloader.offload(seq, Batch())
     others = pool.allocate(5)
     for i, block in enumerate(others[:2]):
-        pool.register(block, 1000 + i, [i, i])
+        pool.register(block, 1000 + i, 0, [i, i])
     pool.release(others[:2])  # cached after blocks 2 and 1: evicted later
     plan, _ = offloader.plan_restore(seq)
     assert plan == [None, 1, 2] and not pool.free

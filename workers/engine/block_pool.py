@@ -10,10 +10,23 @@ import xxhash
 
 from workers.engine.sequence import Sequence
 
+_M64 = (1 << 64) - 1
+
 
 def hash_block(parent: int, token_ids: list[int]) -> int:
-    """Chained hash of one complete block: its tokens (int64) after the hash of the block before it."""
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
+    """Chained 128-bit hash of one complete block: its tokens (int64) after the hash of the block before it
+    (128 bits: across the billions of blocks of a long run, 64 would leave a collision within reach)."""
+    return xxhash.xxh3_128_intdigest(struct.pack(f"<QQ{len(token_ids)}q", parent & _M64, parent >> 64, *token_ids))
+
+
+def prompt_hash(token_ids: list[int]) -> int:
+    """A 64-bit hash of a prompt's token ids, which keys its samples' noise."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", 0, *token_ids))
+
+
+def parent_hash(seq: Sequence, i: int) -> int:
+    """The hash block `i` of `seq` chains from: its previous block's, or the sequence's root."""
+    return seq.block_hashes[i - 1] if i else seq.hash_root
 
 
 class BlockPool:
@@ -25,7 +38,7 @@ class BlockPool:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.contents: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (parent hash, tokens)
         self.free: deque[int] = deque(range(num_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
@@ -55,7 +68,7 @@ class BlockPool:
         if self.hash_to_block.get(self.hashes[block]) == block:
             del self.hash_to_block[self.hashes[block]]
         self.hashes[block] = None
-        self.block_tokens[block] = None
+        self.contents[block] = None
 
     def share(self, block: int) -> None:
         """One more owner of `block` (a forked child, or a prompt that hit the prefix cache)."""
@@ -73,19 +86,20 @@ class BlockPool:
                 else:
                     self.cached[block] = None
 
-    def lookup(self, block_hash: int, token_ids: list[int]) -> int | None:
-        """The block holding exactly these tokens after this chain, if the cache has it."""
+    def lookup(self, block_hash: int, parent: int, token_ids: list[int]) -> int | None:
+        """The block holding exactly these tokens after the block hashed `parent`, if the cache has it: a hit
+        is verified against both, so a colliding hash never serves KV computed after another prefix."""
         block = self.hash_to_block.get(block_hash)
-        if block is None or self.block_tokens[block] != tuple(token_ids):
+        if block is None or self.contents[block] != (parent, tuple(token_ids)):
             return None
         return block
 
-    def register(self, block: int, block_hash: int, token_ids: list[int]) -> None:
+    def register(self, block: int, block_hash: int, parent: int, token_ids: list[int]) -> None:
         """Mark a complete, computed block as reusable by later prompts with the same prefix."""
         if block_hash in self.hash_to_block or self.hashes[block] is not None:
             return
         self.hashes[block] = block_hash
-        self.block_tokens[block] = tuple(token_ids)
+        self.contents[block] = (parent, tuple(token_ids))
         self.hash_to_block[block_hash] = block
 
     def match_prefix(self, seq: Sequence, root: int) -> int:
@@ -94,13 +108,14 @@ class BlockPool:
         parent, bs = root, self.block_size
         for i in range((len(seq.token_ids) - 1) // bs):
             tokens = seq.block_tokens(i, bs)
-            parent = hash_block(parent, tokens)
-            block = self.lookup(parent, tokens)
+            block_hash = hash_block(parent, tokens)
+            block = self.lookup(block_hash, parent, tokens)
             if block is None:
                 break
             self.share(block)
             seq.block_table.append(block)
-            seq.block_hashes.append(parent)
+            seq.block_hashes.append(block_hash)
+            parent = block_hash
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
@@ -110,15 +125,19 @@ class BlockPool:
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
             tokens = seq.block_tokens(i, bs)
-            block_hash = hash_block(seq.block_hashes[-1] if i else seq.hash_root, tokens)
-            self.register(seq.block_table[i], block_hash, tokens)
-            seq.block_hashes.append(block_hash)
+            seq.block_hashes.append(hash_block(parent_hash(seq, i), tokens))
+            self.register(seq.block_table[i], seq.block_hashes[i], parent_hash(seq, i), tokens)
 
     def find(self, seq: Sequence, i: int) -> int | None:
         """The cached block holding block `i` of `seq` (by its recorded hash), if any."""
         if i >= len(seq.block_hashes):
             return None
-        return self.lookup(seq.block_hashes[i], seq.block_tokens(i, self.block_size))
+        return self.lookup(seq.block_hashes[i], parent_hash(seq, i), seq.block_tokens(i, self.block_size))
+
+    def register_found(self, seq: Sequence, i: int, block: int) -> None:
+        """Register `block`, just filled with block `i` of `seq` (a restore), under its recorded hash."""
+        if i < len(seq.block_hashes):
+            self.register(block, seq.block_hashes[i], parent_hash(seq, i), seq.block_tokens(i, self.block_size))
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash: cached blocks become free, used blocks are never matched again."""

@@ -15,7 +15,7 @@ from rollout.config import EngineConfig
 from rollout.params import SamplingParams, WeightSource, check_prompt_list, check_update, prompt_repeats
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
-from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.block_pool import BlockPool, prompt_hash
 from workers.engine.generation_config import eos_token_ids, warn_unapplied_processors
 from workers.engine.model_runner import ModelRunner, startup_phase
 from workers.engine.offload import CpuPool
@@ -109,7 +109,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         max_length = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        group = Group(request_id, prompt_index, ids, params, seed, hash_block(0, ids), eos, max_length, len(indices),
+        group = Group(request_id, prompt_index, ids, params, seed, prompt_hash(ids), eos, max_length, len(indices),
                       repeat)
         self.groups[request_id] = group
         self.scheduler.add(Sequence(group, indices, list(ids)))

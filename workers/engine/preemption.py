@@ -73,7 +73,6 @@ class Offloader:
         """Bring `seq` back onto the device following `plan`. Its CPU blocks are free again at once:
         nothing is offloaded in a step that restores, so no offload can overwrite them first."""
         slots, seq.cpu_blocks = seq.cpu_blocks, []
-        bs = self.pool.block_size
         for found in plan:
             if found is not None:
                 self.pool.share(found)  # before allocating, which could evict it from the cache
@@ -82,8 +81,7 @@ class Offloader:
             if found is None:
                 found = next(fresh)
                 batch.restore_copies.append((slot, found))
-                if i < len(seq.block_hashes):
-                    self.pool.register(found, seq.block_hashes[i], seq.block_tokens(i, bs))
+                self.pool.register_found(seq, i, found)
             seq.block_table.append(found)
         self.cpu_pool.release([s for s in slots if s >= 0])
         if seq.cpu_state >= 0:
