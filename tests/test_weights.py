@@ -180,3 +180,20 @@ def test_mode_finish_drains_on_old_weights(policies):
     rest = finish(engine, rows)
     assert all(rest[(1, s)]["token_ids"] == hf_greedy(new, prompts[1]) for s in range(2))
     assert all(rest[(1, s)]["policy_version"] == 3 for s in range(2))
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort", "finish"])
+def test_a_prompt_in_prefill_when_an_update_lands_runs_on_the_new_weights(policies, mode):
+    """A prompt prefilled in 16-token chunks has sampled nothing after one step: whatever the mode, it is
+    computed again under the new weights, like a queued one, so its rows' versions tell the truth (its old
+    chunks' KV used to stay under a row saying every token was the new version's)."""
+    old, new = policies
+    engine = make_engine(old, max_batch_tokens=16)
+    prompt = random_prompts(1, 512, (40, 40), seed=55)[0]
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10, ignore_eos=True, return_token_versions=True)
+    rows = start(engine, [prompt], params, steps=1)
+    assert engine.update_weights(new, version=4, mode=mode) == []
+    rows = finish(engine, rows)
+    for s in range(2):
+        assert rows[(0, s)]["token_ids"] == hf_greedy(new, prompt)
+        assert rows[(0, s)]["token_policy_versions"] == [4] * 10

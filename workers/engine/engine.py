@@ -139,7 +139,7 @@ class Engine:
         weights), "abort" (they end now, finish_reason "abort"), "finish" (they finish on the old
         weights first). Returns the rows of samples that ended meanwhile, or, with `on_rows`, hands
         them to it as they end (each step of a "finish" drain) and returns []; unstarted requests stay
-        queued and run on the new weights.
+        queued and run on the new weights, and so does a prompt still in prefill, computed again.
         """
         check_update(version, mode)
         pairs = check_weights(self.runner.model, load_source(source))
@@ -147,6 +147,7 @@ class Engine:
         emit = on_rows or rows.extend
         self._collect()  # the tokens of the step in flight are the old weights'
         emit(self._take_ready())
+        self.scheduler.restart_prefills()
         if mode == "abort":
             emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
         elif mode == "finish":

@@ -67,9 +67,19 @@ class Scheduler:
         self.weights_updates += 1
         self.hash_root = hash_block(0, [-2, self.weights_updates])  # no block of token ids hashes this
 
+    def restart_prefills(self) -> None:
+        """Drop the KV of every prompt still in prefill, which keeps its place first in line: before a weights
+        update, so that a prompt is computed under the weights its samples are drawn from."""
+        for seq in reversed([s for s in self.running if not s.started]):
+            self.running.remove(seq)
+            self._release(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     @contextlib.contextmanager
     def started_only(self) -> Iterator[None]:
-        """Admit no new request while inside (a drain finishes what is started)."""
+        """Admit no new request while inside (a drain finishes what is started); started ones wait first."""
+        self.waiting = deque(sorted(self.waiting, key=lambda s: not s.started))
         self.admit_new = False
         try:
             yield

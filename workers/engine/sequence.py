@@ -101,8 +101,8 @@ class Sequence:
 
     @property
     def started(self) -> bool:
-        """Admitted at least once: it holds or held KV, or has tokens of its own."""
-        return self.status != Status.WAITING or self.num_preemptions > 0
+        """Has sampled a token (a prompt still in prefill has not)."""
+        return len(self.token_ids) > self.num_prompt_tokens
 
     @property
     def is_forked(self) -> bool:
