@@ -82,6 +82,10 @@ ZOO: dict[str, tuple[type, dict]] = {
     "qwen3_moe": (tf.Qwen3MoeConfig, {**_LLAMA_LIKE, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 16}),
     "olmoe": (tf.OlmoeConfig, {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": 0}),
+    # a trainer's saved config asking for the router logits of an auxiliary loss
+    "qwen3_moe_router_logits": (tf.Qwen3MoeConfig, {**_LLAMA_LIKE, "head_dim": 8, "num_experts": 4,
+                                                    "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                                    "output_router_logits": True}),
     "olmo3": (tf.Olmo3Config, _WINDOWED),
     "smollm3": (tf.SmolLM3Config, _FOUR),
     "glm": (tf.GlmConfig, _FOUR),
@@ -290,6 +294,10 @@ ZOO: dict[str, tuple[type, dict]] = {
                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
                                                       "lru_width": 32, "attention_window_size": 16}),
     "doge": (tf.DogeConfig, _FOUR),
+    "llama_not_causal": (tf.LlamaConfig, {**_LLAMA_LIKE, "is_causal": False}),
+    # OLMoE hands a config's window to attention but masks without it
+    "olmoe_stray_window": (tf.OlmoeConfig, {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2,
+                                            "sliding_window": 6}),
     # bidirectional attention everywhere (embedding models such as EmbeddingGemma)
     "gemma3_bidirectional": (tf.Gemma3TextConfig, {**_LLAMA_LIKE, "head_dim": 8, "use_bidirectional_attention": True}),
     "gemma4_bidirectional": (getattr(tf, "Gemma4TextConfig", None), {**_GEMMA4, "use_bidirectional_attention": "all"}),

@@ -15,7 +15,7 @@ import transformers
 from rollout import SamplingParams
 from tests.conftest import DEVICES, hf_model, make_engine, run
 from tests.model_zoo import VOCAB, ZOO, build_zoo_model
-from workers.engine import Engine, model_support
+from workers.engine import Engine, attention, model_support
 from workers.engine.longrope import uses_longrope
 
 # linear-attention and state-space hybrids (workers/engine/recurrent.py)
@@ -34,13 +34,15 @@ ACCEPTED = ["llama", "llama3_rope", "llama_linear_rope", "qwen2", "qwen2_yarn", 
             "gemma4_text", "gemma4_text_moe", "gemma4", "gemma4_unified_text", "gemma4_unified", "gemma3n_text",
             "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "minicpm3", "youtu", "apertus1p5_text",
             "kolibri1", "minimax_m3_vl_text", "sarvam_moe", "gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
-            "flint", "dbrx", "longcat_flash", "axk1", *HYBRID]
+            "flint", "dbrx", "longcat_flash", "axk1", "qwen3_moe_router_logits", *HYBRID]
 REFUSED = {
     "minimax": "layer type 'linear_attention'", "llama4_text": "chunked",
     "bloom": "ALiBi", "mpt": "ALiBi", "falcon_alibi": "ALiBi", "codegen": "AttentionInterface",
     "xglm": "AttentionInterface", "falcon": "AttentionInterface", "gptj": "AttentionInterface",
     "gpt_neo": "AttentionInterface", "recurrent_gemma": "recurrent",
     "doge": "dynamic mask attention", "phimoe_mscale_rope": "short_mscale != long_mscale",
+    "llama_not_causal": r"bidirectional attention \(is_causal=False\)",
+    "olmoe_stray_window": "sliding window handed to attention",
     "gemma3_bidirectional": "bidirectional attention", "gemma4_bidirectional": "bidirectional attention",
 }
 MOE = [name for name in ACCEPTED if "experts" in str(ZOO[name][1])]  # nested configs (text_config) too
@@ -188,6 +190,13 @@ def test_unverified_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"model type 'bitnet'.*not verified"):
         make_engine(path)
+
+
+def test_an_attention_call_asking_for_no_causal_mask_is_refused():
+    """Modelling code that passes is_causal=False, whatever its config says, is refused, not computed causally."""
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match=r"is_causal=False"):
+        attention.paged_attention_forward(torch.nn.Module(), q, q, q, None, is_causal=False)
 
 
 @pytest.mark.parametrize("config_class", [transformers.Qwen2_5_VLConfig, transformers.LlavaConfig,

@@ -39,6 +39,7 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
         hf_config = load_config(path, config.trust_remote_code)
     check_config(hf_config)
     _refuse_remote_model_code(hf_config, config.trust_remote_code)
+    _logits_only(hf_config)
     max_model_len(config, hf_config.get_text_config(decoder=True))  # a length past the model's, refused here
     on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
     with _load_errors(config):
@@ -70,3 +71,13 @@ def _refuse_remote_model_code(hf_config: transformers.PretrainedConfig, trust_re
         raise refuse(hf_config.model_type, f"the checkpoint's own modelling code (auto_map AutoModelForCausalLM="
                      f"{remote!r}) in place of transformers'; with trust_remote_code=False transformers' own "
                      f"{hf_config.model_type!r} class loads")
+
+
+def _logits_only(hf_config: transformers.PretrainedConfig) -> None:
+    """Switch off the extra outputs a trainer's saved config may ask for (router logits for an auxiliary loss,
+    hidden states, attention maps): the engine reads only the logits, and transformers hands such flags to
+    every attention call."""
+    for cfg in (hf_config, hf_config.get_text_config(decoder=True)):
+        for flag in ("output_router_logits", "output_hidden_states", "output_attentions"):
+            if getattr(cfg, flag, False):
+                setattr(cfg, flag, False)

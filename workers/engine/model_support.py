@@ -95,6 +95,8 @@ def _flagged_features(config: transformers.PretrainedConfig) -> list[str]:
     bidirectional = getattr(config, "use_bidirectional_attention", None)
     if bidirectional in (True, "all"):
         found.append(f"bidirectional attention (use_bidirectional_attention={bidirectional!r})")
+    if getattr(config, "is_causal", True) is False:
+        found.append("bidirectional attention (is_causal=False)")
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False):
         found.append("ALiBi position biases")
     if getattr(config, "attention_chunk_size", None):
@@ -188,6 +190,10 @@ def kv_layout(model: transformers.PreTrainedModel, mixer_layers: list[int] = ())
     if masked:
         raise refuse(model_type, f"a sliding window of {masked[0]} tokens that transformers applies only through "
                                  f"the attention mask (layers {masked[1]}), which paged attention never sees")
+    unmasked = _windows_never_masked(model, probe.windows)
+    if unmasked:
+        raise refuse(model_type, f"a sliding window handed to attention (layers {unmasked}) that the model's masks "
+                                 "never apply, so transformers' attention implementations disagree on it")
     values_are_keys = frozenset(layer for layer, k, v in probe.calls if _leads(v, k))
     mismatched = [layer for layer, k, v in probe.calls if k.shape != v.shape and layer not in values_are_keys]
     if mismatched:
@@ -215,6 +221,14 @@ def _windows_only_masked(model: transformers.PreTrainedModel,
     layers = [layer for layer, seen in windows.items()
               if seen is None and (types is None or types[layer] == "sliding_attention")]
     return (window, layers) if layers else None
+
+
+def _windows_never_masked(model: transformers.PreTrainedModel, windows: dict[int | None, int | None]) -> list[int]:
+    """The layers whose attention calls get a window although the modeling code builds no sliding-window mask
+    (a stray `sliding_window` in an OLMoE config): the eager forward attends to every key, flash-attn would not."""
+    if hasattr(inspect.getmodule(type(model)), _SLIDING_MASK):
+        return []
+    return [layer for layer, window in windows.items() if window is not None]
 
 
 def _probe_forward(model: transformers.PreTrainedModel, probe: _ShapeProbe) -> None:

@@ -43,6 +43,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          if v is not None and v is not False and k not in _IGNORED_KWARGS)
     if unsupported:
         raise NotImplementedError(f"paged attention does not support the arguments {unsupported}")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError("bidirectional attention (is_causal=False): paged attention is causal")
     if attention_mask is not None:
         raise NotImplementedError("an attention mask or bias computed by the model itself (paged attention "
                                   "applies only causal masks and sliding windows)")
