@@ -12,7 +12,7 @@ from ray.actor import ActorHandle
 
 from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
-from rollout.params import WeightSource
+from rollout.params import WeightSource, check_prompt_list
 from rollout.service import launch, stop
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSync, push_weights
@@ -65,6 +65,7 @@ def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool =
     """Stream `n` samples of each prompt (token-id lists or strings) as record batches; the keywords are
     `SamplingParams` fields. The first call without `init` starts the service of configs/local.toml."""
     params = sampling_params(n, sampling)
+    check_prompt_list(prompts)
     with _lock:
         if _service is None:
             init()

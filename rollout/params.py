@@ -70,10 +70,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def check_prompt_list(prompts: object) -> None:
-    """Refuse `prompts` that are not a non-empty list (or tuple) of prompts, in the caller's process too, so
-    that a generator or a dict gets this error rather than Ray's when it is sent."""
+    """Refuse `prompts` that are not a non-empty list (or tuple) of prompts, or hold a prompt of no prompt type,
+    in the caller's process too, so that a generator or a dict gets this error rather than Ray's when sent."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list, got {prompts!r:.80}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, list, tuple)) and not hasattr(prompt, "tolist"):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 def prompt_repeats(prompts: list[list[int]]) -> list[int]:

@@ -44,6 +44,6 @@ BAD_PROMPTS = {
         lambda t: ([5, t], f"prompt {{i}} has {t!r}, which is not an integer token id")),
     "prompt of the model's length or more": st.integers(MAX_LEN, MAX_LEN + 50).map(
         lambda n: ([7] * n, f"prompt {{i}} has {n} tokens")),
-    "prompt of a wrong type": st.sampled_from([None, 5, 2.0, {"ids": [1]}, b"ab"]).map(
+    "prompt of a wrong type": st.sampled_from([None, 5, 2.0, {"ids": [1]}, b"ab", (t for t in [5])]).map(
         lambda p: (p, f"prompt {{i}} must be a string or a list of token ids, got {type(p).__name__}")),
 }

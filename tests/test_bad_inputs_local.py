@@ -207,6 +207,15 @@ def test_bad_command_lines_are_refused_before_ray_starts(cli, argv, lines, names
         raise ValueError(run(*argv, prompt_lines=lines))  # what the CLI printed, checked by `refused`
 
 
+@pytest.mark.parametrize("prompts", ["abc", [[5, 6], (t for t in [5])]])
+def test_bad_prompts_are_refused_before_the_first_call_starts_the_service(monkeypatch, prompts):
+    from rollout import api
+    monkeypatch.setattr(api, "_service", None)
+    monkeypatch.setattr(api, "init", lambda *args, **kwargs: pytest.fail("the service started first"))
+    with pytest.raises(ValueError, match="prompts must be a non-empty list|prompt 1 must be a string"):
+        api.sample(prompts, n=2)
+
+
 def test_bad_paths_on_the_command_line_are_refused(cli):
     run, tmp = cli
     cases = {"missing prompt file": (["--prompts", str(tmp / "nope.jsonl")], "does not exist"),
