@@ -3,12 +3,17 @@ kept; the same with async batching and forks; refused, before any work, where no
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
-from workers.engine import stop_strings
+from workers.engine import tokenizer as tokenizer_module
 from workers.engine.stop_strings import StopStrings
+from workers.engine.tiny_models import _CORPUS, EOS, PAD
 from workers.engine.tokenizer import load_tokenizer
 
 PROMPTS = random_prompts(3, 512, (4, 12), seed=3)
@@ -84,8 +89,8 @@ def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monk
     so such a step decodes nothing of the sample (its tail would widen over the whole run, every step)."""
     tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
     decoded = []
-    decode = stop_strings._decode
-    monkeypatch.setattr(stop_strings, "_decode", lambda tok, batch: decoded.append(sum(map(len, batch))) or decode(
+    decode = tokenizer_module.decode
+    monkeypatch.setattr(tokenizer_module, "decode", lambda tok, batch: decoded.append(sum(map(len, batch))) or decode(
         tok, batch))
     prompt = tokenizer.encode("Q:")
     tokens = prompt + tokenizer.encode("some text") + [tokenizer.eos_token_id] * 2000
@@ -114,3 +119,38 @@ def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir, f
 def test_bad_stop_strings_are_refused_naming_the_value(stop):
     with pytest.raises(ValueError, match="SamplingParams.stop="):
         SamplingParams(stop=stop)
+
+
+@pytest.fixture(scope="module")
+def metaspace_model(model_dir, tmp_path_factory) -> str:
+    """The tiny Llama with a SentencePiece-style tokenizer (Metaspace, as Llama 2 and Mistral ship one), whose
+    decode drops the leading space of its first word."""
+    path = tmp_path_factory.mktemp("metaspace")
+    shutil.copytree(model_dir("llama"), path, dirs_exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainers.BpeTrainer(vocab_size=400,
+                                                                        special_tokens=[EOS, PAD, "<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token="<unk>")
+    fast.add_tokens([f"<|extra_{i}|>" for i in range(512 - len(fast))])
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_text_and_stop_strings_keep_the_space_a_completion_starts_with(metaspace_model):
+    """A row's text is what it adds to its prompt's (as vLLM's is), so prompt text + text is the decode of
+    both, with the space before the completion's first word; a stop string starting with it is found."""
+    engine = make_engine(metaspace_model)
+    tok = engine.tokenizer
+    prompt = tok("The capital of France is")["input_ids"]
+    params = dict(n=16, max_new_tokens=4, seed=0, ignore_eos=True)
+    rows = run(engine, [prompt], SamplingParams(**params))
+    head = tok.decode(prompt, skip_special_tokens=True)
+    spaced = [row for row in rows.values() if row["text"].startswith(" ")]
+    for row in rows.values():
+        assert head + row["text"] == tok.decode(prompt + row["token_ids"], skip_special_tokens=True)
+    assert spaced, "no sample starts with a word"
+    first = tok.decode(prompt + spaced[0]["token_ids"][:1], skip_special_tokens=True)[len(head):]
+    stopped = run(engine, [prompt], SamplingParams(**params, stop=[first]))[(0, spaced[0]["sample_index"])]
+    assert (stopped["finish_reason"], stopped["token_ids"]) == ("stop", spaced[0]["token_ids"][:1])

@@ -25,7 +25,7 @@ from workers.engine.request_checks import check_fits, check_params, check_prompt
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
 from workers.engine.stop_strings import StopStrings
-from workers.engine.tokenizer import encode_prompt, load_tokenizer
+from workers.engine.tokenizer import CONTEXT_TOKENS, decode_after, encode_prompt, load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]
@@ -289,7 +289,8 @@ class Engine:
         if group.num_unfinished == 0:
             self.groups.pop(group.request_id, None)
         generated = seq.token_ids[seq.num_prompt_tokens:]
-        text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else None
+        text = decode_after(self.tokenizer, [group.prompt_token_ids[-CONTEXT_TOKENS:]], [generated])[0] if (
+            self.tokenizer) else None
         return {"request_id": f"{group.request_id}/{sample_index}", "prompt_index": group.prompt_index,
                 "sample_index": sample_index, "prompt_token_ids": group.prompt_token_ids,
                 "token_ids": generated, "logprobs": seq.logprobs[: len(generated)], "finish_reason": reason,

@@ -6,8 +6,10 @@ at the same token, so whatever decoding does at a cut-off start is the same in b
 twice as many tokens as the longest string has characters. A tail without any of the strings is decoded
 only once: its text less the newest token's (decoded alone, at most one character shorter than in place)
 must still hold the longest string, else (tokens of a few bytes of one character, special tokens that
-decode to nothing) the tail is doubled until it does or reaches the first generated token. A special token
-that decodes to nothing completes no string, so a sample whose newest token is one is not decoded at all.
+decode to nothing) the tail is doubled until it does or reaches the first generated token. A tail that
+starts there is read after the prompt's last tokens, as the row's text is (some tokenizers drop the leading
+space of a decode's first word). A special token that decodes to nothing completes no string, so a sample
+whose newest token is one is not decoded at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
+
+from workers.engine.tokenizer import CONTEXT_TOKENS, decode, decode_after
 
 # Characters of slack in a tail's text: a cut-off start decodes a split character as up to three
 # replacement characters, and so does an end that the newest token completes.
@@ -38,10 +42,12 @@ class StopStrings:
         todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in self.silent]
         while todo:
             tails = [_tail(*samples[i], widths[i]) for i in todo]
-            texts = _decode(self.tokenizer, tails + [tail[-1:] for tail in tails])
+            contexts = [_context(*samples[i], tail) for i, tail in zip(todo, tails)]
+            texts = decode_after(self.tokenizer, contexts + [[]] * len(tails), tails + [tail[-1:] for tail in tails])
             new, newest = texts[:len(tails)], texts[len(tails):]
             maybe = [k for k, i in enumerate(todo) if any(stop in new[k] for stop in stops[i])]
-            old = dict(zip(maybe, _decode(self.tokenizer, [tails[k][:-1] for k in maybe])))
+            old = dict(zip(maybe, decode_after(self.tokenizer, [contexts[k] for k in maybe],
+                                               [tails[k][:-1] for k in maybe])))
             for k, i in enumerate(todo):
                 if k in old:
                     hits[i] = any(stop in new[k] and stop not in old[k] for stop in stops[i])
@@ -56,7 +62,7 @@ def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Special tokens that decode to nothing (skipped): as the newest token, none completes a string, and a
     run of them (EOS after EOS with `ignore_eos`) would otherwise widen the tail to the whole sample."""
     ids = tokenizer.all_special_ids
-    return frozenset(i for i, text in zip(ids, _decode(tokenizer, [[i] for i in ids])) if not text)
+    return frozenset(i for i, text in zip(ids, decode(tokenizer, [[i] for i in ids])) if not text)
 
 
 def _too_short(chars_before: int, longest: int, width: int, sample: tuple[Sequence[int], int]) -> bool:
@@ -70,10 +76,6 @@ def _tail(tokens: Sequence[int], start: int, width: int) -> list[int]:
     return list(tokens[max(start, len(tokens) - width):])
 
 
-def _decode(tokenizer: PreTrainedTokenizerBase, batch: list[list[int]]) -> list[str]:
-    """The texts `tokenizer.batch_decode` gives (special tokens skipped), in one call of a fast tokenizer's
-    Rust backend when decoding adds nothing to it (no clean-up of spaces): a third of the time."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return backend.decode_batch(batch, skip_special_tokens=True)
-    return tokenizer.batch_decode(batch, skip_special_tokens=True)
+def _context(tokens: Sequence[int], start: int, tail: list[int]) -> list[int]:
+    """The prompt's last tokens before a tail that starts at the first generated token; none before another."""
+    return list(tokens[max(0, start - CONTEXT_TOKENS):start]) if len(tail) == len(tokens) - start else []
