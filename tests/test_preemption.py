@@ -78,6 +78,25 @@ def test_everyone_grows_at_once_no_livelock(model_dir):
     assert engine.stats()["offloads"] > 0
 
 
+def test_a_prompt_in_prefill_is_not_held_back_by_newer_ones(model_dir):
+    """A short request arrives every step and a 150-token prompt (prefilled in 64-token chunks) at step 10:
+    once admitted, the long prompt holds its blocks, so its chunks shrink to the blocks there are rather
+    than wait while each newcomer takes them (it used to sit 170 steps at 59 of 150 tokens)."""
+    engine = make_engine(model_dir("qwen3"), block_size=4, num_blocks=48, max_batch_tokens=64)
+    short = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    shorts = random_prompts(100, 512, (5, 5), seed=34)
+    for step, prompt in enumerate(shorts):
+        if step == 10:
+            engine.add_request(random_prompts(1, 512, (150, 150), seed=35)[0],
+                               SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True), request_id="long")
+        engine.add_request(prompt, short)
+        rows = engine.step()
+        engine.check_integrity()
+        if any(row["request_id"].startswith("long/") for row in rows):
+            break
+    assert step < 60, f"the long prompt finished only at step {step}"
+
+
 def test_cpu_pool_is_capped_with_a_warning(model_dir):
     with pytest.warns(UserWarning, match="the CPU pool gets at most"):
         engine = make_engine(model_dir("qwen3"), cpu_offload_gib=1e6)

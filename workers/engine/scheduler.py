@@ -105,7 +105,7 @@ class Scheduler:
         budget -= len(decodes)
         while True:
             for seq in prefills:
-                budget -= self._schedule_prefill(batch, seq, budget)
+                budget -= self._schedule_prefill(batch, seq, budget, partial=True)
             if not self.offloader.offloaded:
                 budget -= self._admit(batch, budget)
             if batch.seqs or not self.running:
@@ -249,18 +249,24 @@ class Scheduler:
     def _fits(self, seq: Sequence) -> bool:
         return self.num_running_samples + len(seq.sample_indices) <= self.config.max_num_seqs
 
-    def _schedule_prefill(self, batch: Batch, seq: Sequence, budget: int) -> int:
+    def _schedule_prefill(self, batch: Batch, seq: Sequence, budget: int, partial: bool = False) -> int:
         """Add the next chunk of `seq` if its blocks (and, with its last chunk, its fork's) can be
-        had; returns the tokens used."""
+        had; with `partial` (a running prompt, which newer ones must not hold back for good) a chunk
+        short of blocks shrinks to the blocks there are, short of the last one. Returns the tokens used."""
         n = min(seq.num_uncomputed, budget, self.max_chunk)
         if n == 0:
             return 0
         spare = fork_spare_blocks(len(seq.token_ids), len(seq.sample_indices), self.block_size)
-        need = self._blocks_needed(seq, n)
         if n < seq.num_uncomputed:
             spare = 0
-        if need + spare > self.pool.num_available:
-            return 0
+        if self._blocks_needed(seq, n) + spare > self.pool.num_available:
+            if not partial:
+                return 0
+            fit = (len(seq.block_table) + self.pool.num_available) * self.block_size - seq.num_computed_tokens
+            n, spare = min(n, fit, seq.num_uncomputed - 1), 0
+            if n <= 0:
+                return 0
+        need = self._blocks_needed(seq, n)
         seq.block_table += self.pool.allocate(need)
         seq.fork_blocks = self.pool.allocate(spare)
         batch.add(seq, n)
