@@ -32,12 +32,16 @@ def score(batch: pa.RecordBatch, targets: torch.Tensor, pad_token_id: int | None
 
 
 def group_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: each reward minus its prompt group's mean, over the group's standard deviation."""
-    advantages = torch.empty_like(rewards)
+    """GRPO advantages: each reward minus its prompt group's mean, over the group's standard deviation; 0 in a
+    group of equal rewards (computed in float64: in float32 the mean of equal rewards can miss them by a unit in
+    the last place, and that rounding over a std of the same size pushed the whole group one way)."""
+    advantages = torch.zeros_like(rewards)
     for group in prompt_index.unique():
         rows = prompt_index == group
-        r = rewards[rows]
-        advantages[rows] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+        centred = rewards[rows].double() - rewards[rows].double().mean()
+        std = centred.square().mean().sqrt()
+        if std > eps:
+            advantages[rows] = (centred / std).to(rewards.dtype)
     return advantages
 
 

@@ -54,6 +54,7 @@ from rollout.schema import sort_samples  # noqa: E402
 from trainer_client import to_torch  # noqa: E402
 
 N = 8  # samples per prompt: one GRPO group
+SEED_STRIDE = 1_000_003  # iteration i samples with seed --seed * SEED_STRIDE + i
 
 
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how new weights reach the workers: Ray's object store, or a torch.distributed "
                         "broadcast group formed once with rollout.init_weight_sync()")
     p.add_argument("--async-rollouts", action="store_true",
-                   help="sample iteration i+1 while update i lands (mode 'continue'); the loss weights each "
+                   help="sample iteration i+1 while update i+1 lands (mode 'continue'); the loss weights each "
                         "token by the policy version that produced it")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster ('auto': RAY_ADDRESS or the local head) instead of starting "
@@ -104,8 +105,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.lr > 0 and 0 < args.clip < 1):
         p.error("--lr must be > 0 and --clip in (0, 1)")
+    if not 0 <= args.seed * SEED_STRIDE + args.iterations < 2**64:
+        p.error(f"--seed {args.seed} must be in [0, {(2**64 - args.iterations - 1) // SEED_STRIDE}] (it seeds the "
+                "sampling noise, an integer in [0, 2**64))")
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model} is not a model directory (no config.json)")
+    if args.model is not None:
+        try:
+            target_token_ids(transformers.AutoTokenizer.from_pretrained(args.model))
+        except (OSError, ValueError) as err:
+            p.error(f"--model {args.model}: {err}")
     for path in (args.report, args.plot):
         if path is not None and not path.resolve().parent.is_dir():
             p.error(f"{path}: its directory does not exist")
@@ -120,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def open_samples(args: argparse.Namespace, iteration: int) -> rollout.RolloutStream:
     """Request the samples of `iteration`: n = 8 per demo prompt, temperature 1, no filtering."""
     return rollout.sample(DEMO_PROMPTS, n=N, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                          seed=args.seed * 1_000_003 + iteration, return_token_versions=True, progress=True)
+                          seed=args.seed * SEED_STRIDE + iteration, return_token_versions=True, progress=True)
 
 
 def collect(stream: rollout.RolloutStream, targets: torch.Tensor, pad_token_id: int | None) -> pa.Table:

@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import train_grpo  # noqa: E402
+from grpo import group_advantages  # noqa: E402
 
 KEYS = {"iteration", "policy_version", "reward_mean", "samples", "logprob_mismatch_max", "logprob_mismatch_mean",
         "versions_ok", "seconds"}
@@ -45,8 +47,24 @@ def test_three_iterations_agree_and_carry_their_versions(model_dir, tmp_path, fl
     (["--transport", "nccl"], "invalid choice"),
     (["--model", "/nonexistent"], "not a model directory"),
     (["--report", "/nonexistent/dir/r.json"], "its directory does not exist"),
+    (["--seed", "-1"], "--seed -1 must be in [0, "),
+    (["--seed", str(2**64 // 1_000_003 + 1)], "it seeds the sampling noise"),
 ])
 def test_bad_flags_fail_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_grpo.parse_args(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_without_digit_tokens_fails_before_any_work(zoo_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_grpo.parse_args(["--model", zoo_dir("qwen3")])  # no tokenizer files
+    assert exit_info.value.code == 2 and "the tokenizer has no digit tokens" in capsys.readouterr().err
+
+
+def test_a_group_of_equal_rewards_has_no_advantage():
+    """In float32 the mean of six rewards of 5/7 misses 5/7 by a unit in the last place, which over a std of
+    the same size gave every sample an advantage of -0.056."""
+    rewards = torch.tensor([5 / 7] * 6 + [0.0, 1.0], dtype=torch.float32)
+    advantages = group_advantages(rewards, torch.tensor([0] * 6 + [1, 1]))
+    assert advantages[:6].tolist() == [0.0] * 6 and advantages[6:].tolist() == [-1.0, 1.0]
