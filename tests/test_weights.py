@@ -197,3 +197,28 @@ def test_a_prompt_in_prefill_when_an_update_lands_runs_on_the_new_weights(polici
     for s in range(2):
         assert rows[(0, s)]["token_ids"] == hf_greedy(new, prompt)
         assert rows[(0, s)]["token_policy_versions"] == [4] * 10
+
+
+def test_a_sample_recomputing_its_context_when_an_update_lands_recomputes_it_all_on_the_new_weights(policies):
+    """A sample preempted for recompute (no CPU pool) is part way through its context, in 8-token chunks, when
+    a "continue" update lands: its context is computed again, all of it under the new weights, so its later
+    tokens' logprobs are the new model's over it (half old and half new KV gave errors of several nats)."""
+    old, new = policies
+    engine = make_engine(old, block_size=4, num_blocks=14, max_batch_tokens=8, cpu_offload_gib=0)
+    prompts = random_prompts(3, 512, (10, 10), seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, return_token_versions=True)
+    rows = start(engine, prompts, params, steps=0)
+    while not any(s.started and s.num_uncomputed > 1 for s in engine.scheduler.running):
+        rows.update(start(engine, [], params, steps=1))
+    engine.update_weights(new, version=1)
+    rows = finish(engine, rows)
+    model = hf_model(new)
+    spanning = [r for r in rows.values() if r["num_preemptions"] and 1 in r["token_policy_versions"]]
+    assert spanning
+    for row in spanning:
+        start_at, first_new = len(prompts[row["prompt_index"]]), row["token_policy_versions"].index(1)
+        ids = prompts[row["prompt_index"]] + row["token_ids"]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+        want = [logprobs[t - 1, ids[t]].item() for t in range(start_at + first_new, len(ids))]
+        assert row["logprobs"][first_new:] == pytest.approx(want, abs=1e-4)

@@ -68,9 +68,10 @@ class Scheduler:
         self.hash_root = hash_block(0, [-2, self.weights_updates])  # no block of token ids hashes this
 
     def restart_prefills(self) -> None:
-        """Drop the KV of every prompt still in prefill, which keeps its place first in line: before a weights
-        update, so that a prompt is computed under the weights its samples are drawn from."""
-        for seq in reversed([s for s in self.running if not s.started]):
+        """Drop the KV of every prompt still in prefill, and of every sample still recomputing its context after
+        a preemption, each keeping its place first in line: before a weights update, so that no context is
+        computed partly under the old weights and partly under the new."""
+        for seq in reversed([s for s in self.running if not s.started or s.num_uncomputed > 1]):
             self.running.remove(seq)
             self._release(seq)
             seq.status = Status.WAITING
