@@ -105,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.lr > 0 and 0 < args.clip < 1):
         p.error("--lr must be > 0 and --clip in (0, 1)")
-    if not 0 <= args.seed * SEED_STRIDE + args.iterations < 2**64:
-        p.error(f"--seed {args.seed} must be in [0, {(2**64 - args.iterations - 1) // SEED_STRIDE}] (it seeds the "
+    if not (args.seed >= 0 and args.seed * SEED_STRIDE + args.iterations - 1 < 2**64):
+        p.error(f"--seed {args.seed} must be in [0, {(2**64 - args.iterations) // SEED_STRIDE}] (it seeds the "
                 "sampling noise, an integer in [0, 2**64))")
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model} is not a model directory (no config.json)")

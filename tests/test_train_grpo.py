@@ -48,6 +48,7 @@ def test_three_iterations_agree_and_carry_their_versions(model_dir, tmp_path, fl
     (["--model", "/nonexistent"], "not a model directory"),
     (["--report", "/nonexistent/dir/r.json"], "its directory does not exist"),
     (["--seed", "-1"], "--seed -1 must be in [0, "),
+    (["--seed", "-1", "--iterations", "1000004"], "--seed -1 must be in [0, "),
     (["--seed", str(2**64 // 1_000_003 + 1)], "it seeds the sampling noise"),
 ])
 def test_bad_flags_fail_before_any_work(flags, message, capsys):
