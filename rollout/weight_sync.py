@@ -5,6 +5,7 @@ over a torch.distributed group formed once with `WeightSync.open`."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -70,6 +71,7 @@ class WeightSync:
     def __init__(self, service: ActorHandle, store: Any, group: Any, backend: str, bucket_bytes: int) -> None:
         self.service, self.store, self.group = service, store, group
         self.backend, self.bucket_bytes = backend, bucket_bytes
+        self.lock = threading.Lock()  # one update on the group at a time: two threads' buckets would interleave
 
     @classmethod
     def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
@@ -90,12 +92,12 @@ class WeightSync:
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "continue") -> None:
         """Broadcast `state_dict` as policy `version`; returns once every worker holds it. Tensors the engines
-        refuse raise ValueError before anything is sent."""
+        refuse raise ValueError before anything is sent. Updates from several threads go one after another."""
         check_update(version, mode)
         tensors = describe(check_state_dict(state_dict))
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
                               buckets=plan_buckets(tensors, self.bucket_bytes))
-        with service_calls(self.service):
+        with self.lock, service_calls(self.service):
             get_result(self.service.check_weights.remote(update))
             applied = self.service.update_weights.remote(update)
             device = group_device(self.backend)

@@ -4,6 +4,7 @@ change nothing; a killed worker is replaced and serves the current version."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 
@@ -100,6 +101,19 @@ def test_update_gives_the_new_model_and_recomputes_cached_prompts(client, polici
     assert row["token_ids"] == hf_greedy(new, PROMPT)
     assert row["policy_version"] == row["first_policy_version"] == version
     assert sum(s["cached_prefix_tokens"] for s in client.stats().values()) == cached, "old KV not reused"
+
+
+def test_broadcasts_from_two_threads_go_one_after_another(client, policies, states, sync, monkeypatch):
+    """Two threads push other weights over the one broadcast group at once, in many small buckets: their
+    buckets used to interleave on the group, which crashed both workers."""
+    monkeypatch.setattr(sync, "bucket_bytes", 64 * 2**10)
+    pushes = {next(_versions): path for path in policies}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(rollout.update_weights, states[path], version, transport="broadcast")
+                     for version, path in pushes.items()]:
+            done.result(timeout=120)
+    [version] = versions(client)
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(pushes[version], PROMPT)
 
 
 def test_continue_mode_sample_spans_the_update(client, policies, states):
