@@ -14,6 +14,7 @@ from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.params import WeightSource, check_prompt_list
 from rollout.service import launch, stop
+from rollout.service_lost import calls_refused, wait_for_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSync, push_weights
 
@@ -23,16 +24,18 @@ _service: ActorHandle | None = None
 _owns_ray = False  # True when init started the local Ray, which shutdown then stops
 _weight_sync: WeightSync | None = None  # init_weight_sync's group, for update_weights(transport="broadcast")
 _lock = threading.RLock()  # one init (explicit, or the first sample's) at a time
+_shut_down = False  # True once shutdown stopped a service: a later sample does not start another by itself
 
 
 def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> None:
     """Start the service from a TOML path or a `ServiceConfig` plus field overrides (engine fields such as
     `model` or `dtype` may be given at top level). Without a running Ray it starts a local one on
     127.0.0.1; inside an initialised Ray (e.g. a Ray job) it starts the workers there."""
-    global _service, _owns_ray
+    global _service, _owns_ray, _shut_down
     with _lock:
         if _service is not None:
             raise RuntimeError("rollout is already initialised; call rollout.shutdown() first")
+        _shut_down = False
         config = load_service_config(config, **overrides)
         if not ray.is_initialized():
             if not (Path(config.engine.model) / "config.json").is_file():
@@ -67,9 +70,12 @@ def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool =
     params = sampling_params(n, sampling)
     check_prompt_list(prompts)
     with _lock:
+        if _service is None and _shut_down:
+            raise RuntimeError("rollout was shut down; call rollout.init(...) to start it again")
         if _service is None:
             init()
-    return open_stream(_service, prompts, params, progress)
+        service = _service
+    return open_stream(service, prompts, params, progress)
 
 
 def update_weights(source: WeightSource, version: int, mode: str = "continue", *,
@@ -97,13 +103,15 @@ def _running_service() -> ActorHandle:
 
 
 def shutdown() -> None:
-    """Stop the service's actors, and the local Ray if `init` started it."""
-    global _service, _owns_ray, _weight_sync
-    with _lock:
+    """Stop the service's actors, and the local Ray if `init` started it. Streams other threads read, and
+    calls they make meanwhile or later, raise `ServiceUnavailable`; a later `sample` needs `init` again."""
+    global _service, _owns_ray, _weight_sync, _shut_down
+    with _lock, calls_refused():
         _weight_sync = None
         if _service is not None:
             stop(_service)
-            _service = None
+            _service, _shut_down = None, True
+        wait_for_calls()
         if _owns_ray:
             stop_local_ray()
             _owns_ray = False

@@ -46,6 +46,16 @@ class CallerWatch:
             if not calls:
                 del self.calls[caller]
 
+    async def abort_all(self, reason: Exception, timeout_s: float = 2.0) -> None:
+        """Abort every running call with `reason`, and wait at most `timeout_s` for them to end (so that their
+        callers get `reason`, not the death of the workers that follows)."""
+        for calls in list(self.calls.values()):
+            for call in calls:
+                call.abort(reason)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.calls and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
     async def _poll(self) -> None:
         while self.calls:
             await asyncio.sleep(POLL_S)

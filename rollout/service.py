@@ -15,6 +15,7 @@ from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 from rollout.sample_call import SampleCall
+from rollout.service_lost import ServiceUnavailable
 from rollout.weight_keeper import start_keeper, stop_keeper
 from rollout.weight_updates import WeightUpdates
 from workers.messages import Caller, WeightGroup, WeightUpdate
@@ -82,9 +83,12 @@ class RolloutService:
         await self.weights.join_group(self.pool, group)
 
     async def shutdown(self) -> None:
-        """Stop replacing workers, kill them and free their placement; the actor itself is killed by the
-        caller. (Async, so that it runs on the event loop that owns the replacement tasks it cancels.)"""
+        """Abort the running calls, stop replacing workers, kill them and free their placement; the actor itself
+        is killed by the caller. (Async, so that it runs on the event loop that owns the replacement tasks it
+        cancels.)"""
         self.started.cancel()
+        await self.callers.abort_all(ServiceUnavailable("the rollout service was stopped (rollout.shutdown() or "
+                                                        "`rollout stop`)"))
         self.pool.shutdown()
         if self.keeper is not None:
             ray.kill(self.keeper, no_restart=True)

@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import pyarrow as pa
 import ray
 from ray import ObjectRefGenerator
 from ray.actor import ActorHandle
+from ray.exceptions import TaskCancelledError
 from tqdm.auto import tqdm
 
 from rollout.local_ray import get_result
 from rollout.params import SamplingParams, check_prompt_list
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
-from rollout.service_lost import service_calls
+from rollout.service_lost import ServiceUnavailable, service_calls
 from workers.messages import Caller
 
 
@@ -43,7 +45,8 @@ class RolloutStream:
 
     A stream is read once. Breaking off the iteration, `cancel()`, leaving a `with` block or dropping the
     stream aborts the samples not yet received and frees their KV blocks. `progress=True` shows a tqdm
-    bar. If the service actor dies meanwhile, iterating raises `ServiceUnavailable` at once.
+    bar. If the service actor dies meanwhile, or `rollout.shutdown()` runs (in any thread), iterating raises
+    `ServiceUnavailable` at once.
     """
 
     def __init__(self, service: ActorHandle, generator: ObjectRefGenerator, progress: bool = False) -> None:
@@ -63,14 +66,22 @@ class RolloutStream:
                                "the batches, or call to_table() once)")
         self._read = True
         try:
-            with service_calls(self._service):
-                for ref in self._generator:
-                    batch = get_result(ref)
-                    self._bar.update(batch.num_rows)
-                    yield batch
+            while (batch := self._next()) is not None:
+                self._bar.update(batch.num_rows)
+                yield batch
             self._open = False
         finally:
             self.cancel()
+
+    def _next(self) -> pa.RecordBatch | None:
+        """The next batch, or None once every sample came (one service call: none is open between batches)."""
+        with service_calls(self._service):
+            try:
+                ref = next(self._generator, None)
+                return None if ref is None else get_result(ref)
+            except TaskCancelledError:
+                raise RuntimeError("this stream was cancelled while it was read (cancel() from another "
+                                   "thread)") from None
 
     def to_table(self) -> pa.Table:
         """Every sample, ordered by prompt then sample."""
@@ -82,8 +93,9 @@ class RolloutStream:
         self._read = True
         if self._open:
             self._open = False
-            if ray.is_initialized():  # else the service is gone, and ray.cancel would start a new Ray
-                ray.cancel(self._generator)
+            with contextlib.suppress(ServiceUnavailable):  # the service is gone, and its call with it
+                with service_calls(self._service):
+                    ray.cancel(self._generator)
         if hasattr(self, "_bar"):
             self._bar.close()
 

@@ -1,0 +1,53 @@
+"""`rollout.shutdown()` while other threads use the service: a thread blocked in a stream, and one busy between
+two batches of its stream, each get `ServiceUnavailable` naming the shutdown (a read racing Ray's shutdown
+could end the whole process, or raise Ray's internals), and a later `sample` does not start a service by
+itself."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import rollout
+from rollout.service_lost import ServiceUnavailable
+from tests.conftest import random_prompts
+
+
+def read(new_tokens: int, reading: threading.Event, pause: threading.Event, out: dict, name: str) -> None:
+    """Read a stream, waiting on `pause` after each batch; `reading` is set once the stream is open (a long
+    one) or has given its first batch (a short one); record how it ended."""
+    try:
+        stream = rollout.sample(random_prompts(4, 512, (4, 8), seed=1), n=2, ignore_eos=True,
+                                max_new_tokens=new_tokens)
+        if new_tokens > 100:
+            reading.set()
+        for _ in stream:
+            reading.set()
+            pause.wait(30)
+        out[name] = None
+    except Exception as err:  # noqa: BLE001 - the test asserts which
+        out[name] = err
+        reading.set()
+
+
+def test_shutdown_while_other_threads_read_streams(model_dir):
+    rollout.init(model=model_dir("qwen3"), num_workers=2, flush_rows=1, flush_delay_s=0.0, max_num_seqs=8,
+                 num_blocks=512, object_store_memory_gib=0.5)
+    out, pause = {}, threading.Event()
+    readers = {"between batches": 4, "blocked": 1000}
+    opened = {name: threading.Event() for name in readers}
+    threads = [threading.Thread(target=read, args=(new_tokens, opened[name], pause, out, name), daemon=True)
+               for name, new_tokens in readers.items()]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in opened.values())
+    rollout.shutdown()
+    pause.set()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+    for name, err in out.items():
+        assert isinstance(err, ServiceUnavailable) and "rollout.shutdown()" in str(err), (name, repr(err))
+    with pytest.raises(RuntimeError, match=r"rollout was shut down; call rollout.init\(...\)"):
+        rollout.sample([[5, 6]], n=1)
