@@ -3,6 +3,7 @@ streaming, isolation of concurrent calls, cancellation, and errors raised at the
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import time
 from pathlib import Path
@@ -152,6 +153,17 @@ def test_cancel_or_break_off_frees_the_blocks(service, client):
     wait_until_idle(client)
     for batch in rollout.sample(prompts, n=4, max_new_tokens=400, ignore_eos=True):
         break
+    wait_until_idle(client)
+
+
+def test_cancel_from_another_thread_ends_the_read_with_a_runtime_error(service, client):
+    stream = rollout.sample(random_prompts(4, 512, (4, 8), seed=8), n=2, max_new_tokens=1000, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        read = pool.submit(stream.to_table)
+        time.sleep(0.5)
+        stream.cancel()
+        with pytest.raises(RuntimeError, match="this stream was cancelled while it was read"):
+            read.result(timeout=60)
     wait_until_idle(client)
 
 
