@@ -25,6 +25,7 @@ _owns_ray = False  # True when init started the local Ray, which shutdown then s
 _weight_sync: WeightSync | None = None  # init_weight_sync's group, for update_weights(transport="broadcast")
 _lock = threading.RLock()  # one init (explicit, or the first sample's) at a time
 _shut_down = False  # True once shutdown stopped a service: a later sample does not start another by itself
+_SHUT_DOWN = "rollout was shut down; call rollout.init(...) to start it again"
 
 
 def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> None:
@@ -71,7 +72,7 @@ def sample(prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool =
     check_prompt_list(prompts)
     with _lock:
         if _service is None and _shut_down:
-            raise RuntimeError("rollout was shut down; call rollout.init(...) to start it again")
+            raise RuntimeError(_SHUT_DOWN)
         if _service is None:
             init()
         service = _service
@@ -98,13 +99,14 @@ def init_weight_sync(**options: Any) -> WeightSync:
 
 def _running_service() -> ActorHandle:
     if _service is None:
-        raise RuntimeError("rollout is not initialised; call rollout.init(...) first")
+        raise RuntimeError(_SHUT_DOWN if _shut_down else "rollout is not initialised; call rollout.init(...) first")
     return _service
 
 
 def shutdown() -> None:
-    """Stop the service's actors, and the local Ray if `init` started it. Streams other threads read, and
-    calls they make meanwhile or later, raise `ServiceUnavailable`; a later `sample` needs `init` again."""
+    """Stop the service's actors, and the local Ray if `init` started it. Calls other threads wait on meanwhile,
+    and later reads of open streams, raise `ServiceUnavailable`; later `sample`, `update_weights` and
+    `init_weight_sync` raise `RuntimeError` until `init` runs again."""
     global _service, _owns_ray, _weight_sync, _shut_down
     with _lock, calls_refused():
         _weight_sync = None

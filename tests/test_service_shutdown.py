@@ -51,3 +51,5 @@ def test_shutdown_while_other_threads_read_streams(model_dir):
         assert isinstance(err, ServiceUnavailable) and "rollout.shutdown()" in str(err), (name, repr(err))
     with pytest.raises(RuntimeError, match=r"rollout was shut down; call rollout.init\(...\)"):
         rollout.sample([[5, 6]], n=1)
+    with pytest.raises(RuntimeError, match=r"rollout was shut down; call rollout.init\(...\)"):
+        rollout.update_weights({}, version=1)
