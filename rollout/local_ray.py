@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import shutil
+import tempfile
 from typing import Any
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
 from ray._private import ray_constants, services
+from ray._private.utils import get_ray_address_file
 from ray._raylet import AuthenticationTokenLoader, Config
 from ray.exceptions import RayTaskError
 
@@ -27,13 +30,24 @@ def start_local_ray(config: ServiceConfig) -> None:
     workers = config.num_workers or 1
     ray.init(address="local", include_dashboard=False, namespace=config.namespace,
              num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
-             object_store_memory=int(config.object_store_memory_gib * 2**30))
+             object_store_memory=int(config.object_store_memory_gib * 2**30), _temp_dir=_private_temp_dir())
+
+
+def _private_temp_dir() -> str:
+    """A directory for Ray's session (its sockets and logs) that only this user can enter. Ray makes the one it
+    is given, and its default /tmp/ray, writable by everyone: there any local user could read the logs and put
+    a socket of theirs in place of the object store's. So it is the child of a fresh 0700 directory."""
+    parent = tempfile.mkdtemp(prefix="rollout-ray-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+    _private_dirs.append(parent)
+    return os.path.join(parent, "ray")
 
 
 def stop_local_ray() -> None:
     """Stop the Ray that `start_local_ray` started and restore the caller's authentication and cluster
     settings (a later driver of this process may join a cluster elsewhere)."""
     ray.shutdown()
+    while _private_dirs:
+        shutil.rmtree(_private_dirs.pop(), ignore_errors=True)
     for name, value in _saved_env.items():
         if value is None:
             os.environ.pop(name, None)
@@ -51,8 +65,8 @@ def join_cluster(address: str, namespace: str) -> None:
     A cluster on 127.0.0.1 is joined on 127.0.0.1: otherwise Ray rewrites the address to this machine's
     IP, where nothing listens, and retries for ever."""
     if address == "auto":
-        address = services.get_ray_address_from_environment(None, None)
-        if address is None:
+        address = os.environ.get("RAY_ADDRESS") or _address_left_by_ray_start()
+        if not address:
             raise ConnectionError("no Ray cluster to join: RAY_ADDRESS is unset and no head node was started on "
                                   "this machine with `ray start --head`; pass its address (HOST:PORT)")
     try:
@@ -65,6 +79,23 @@ def join_cluster(address: str, namespace: str) -> None:
     ray.init(address=address, namespace=namespace)
 
 
+def _address_left_by_ray_start() -> str | None:
+    """The address `ray start --head` wrote in Ray's temp directory, trusted only from a file of this user that
+    nobody else may write: that directory is writable by every local user, and one could point this driver,
+    and the cluster token it sends, at a server of theirs."""
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as file:
+            stat = os.fstat(file.fileno())
+            if stat.st_uid != os.getuid() or stat.st_mode & 0o022:
+                raise ConnectionError(f"{path} is not this user's own file (owner uid {stat.st_uid}, mode "
+                                      f"{stat.st_mode & 0o777:o}), so the head address in it is not trusted; pass "
+                                      "the cluster's address (HOST:PORT) or set RAY_ADDRESS")
+            return file.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 def _loopback_only() -> None:
     """Keep this process's Ray, and every process it starts, on 127.0.0.1."""
     # Ray reads this variable when it is imported (too late to set it here for this process, so the flag
@@ -73,6 +104,7 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+_private_dirs: list[str] = []  # Ray's session directories of start_local_ray, removed by stop_local_ray
 # the caller's values of what this module changes, restored by stop_local_ray
 _SAVED_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 _saved_env: dict[str, str | None] = {}

@@ -9,8 +9,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import ray
-from ray._private import services
 
+from rollout import local_ray
 from rollout.cli import main
 from rollout.demo import DEMO_PROMPTS
 
@@ -96,7 +96,7 @@ def test_auto_without_a_cluster_exits_with_a_message(command, monkeypatch, capsy
     """`--address auto` means RAY_ADDRESS or the head node `ray start` left here, never another process's
     embedded Ray that happens to run (Ray's own "auto" joins any it finds); no such cluster is an error."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.setattr(local_ray, "get_ray_address_file", lambda temp_dir: "/nonexistent/ray_current_cluster")
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--address", "auto"])
     assert exit_info.value.code == 2 and not ray.is_initialized()

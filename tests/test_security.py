@@ -19,6 +19,7 @@ import transformers
 from ray._private import ray_constants
 
 import rollout
+from rollout import local_ray
 from rollout.config import load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.service_lost import ServiceUnavailable
@@ -107,6 +108,29 @@ def test_every_process_of_the_local_ray_listens_on_loopback_only(service):
     assert "gcs_server" in names and "raylet" in names and "RolloutWorker" in names, names
     assert sum(map(len, sockets.values())) >= 5  # GCS, raylet, agents, workers: the scan saw them
     assert not beyond_loopback(sockets), f"listening beyond loopback: {beyond_loopback(sockets)}"
+
+
+def test_the_local_rays_session_directory_is_this_users_alone(service):
+    """Ray's default /tmp/ray is writable by every local user, who could read its logs and put a socket of
+    theirs in place of the object store's; the embedded Ray's session lives under a 0700 directory."""
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    private = session.parents[1]
+    assert private.name.startswith("rollout-ray-") and private.stat().st_mode & 0o777 == 0o700
+    assert (session / "sockets").is_dir()
+
+
+def test_auto_trusts_a_head_address_only_in_this_users_own_file(tmp_path, monkeypatch):
+    """`auto` reads the head address `ray start` left in Ray's temp directory, which any local user may
+    write: a file that others could have written is refused, so the cluster token never goes to their server."""
+    path = tmp_path / "ray_current_cluster"
+    monkeypatch.setattr(local_ray, "get_ray_address_file", lambda temp_dir: str(path))
+    assert local_ray._address_left_by_ray_start() is None
+    path.write_text("127.0.0.1:6379")
+    path.chmod(0o644)
+    assert local_ray._address_left_by_ray_start() == "127.0.0.1:6379"
+    path.chmod(0o666)
+    with pytest.raises(ConnectionError, match="is not this user's own file"):
+        local_ray._address_left_by_ray_start()
 
 
 def gcs_client(gcs: str, **env: str | None) -> subprocess.CompletedProcess:
