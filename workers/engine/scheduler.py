@@ -73,9 +73,7 @@ class Scheduler:
         computed partly under the old weights and partly under the new."""
         for seq in reversed([s for s in self.running if not s.started or s.num_uncomputed > 1]):
             self.running.remove(seq)
-            self._release(seq)
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            self._requeue(seq)
 
     @contextlib.contextmanager
     def started_only(self) -> Iterator[None]:
@@ -201,10 +199,14 @@ class Scheduler:
 
     def _reset(self, seq: Sequence) -> None:
         """Drop the KV of `seq`; it waits first in line and is recomputed (through the prefix cache)."""
+        self._requeue(seq)
+        self.counters["recomputes"] += 1
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Give back every block of `seq`; it waits first in line, to be computed again."""
         self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        self.counters["recomputes"] += 1
 
     def _restore(self, batch: Batch, growing: int) -> list[Sequence]:
         """Bring offloaded sequences back, oldest first, while they fit beside the `growing` decodes
