@@ -124,9 +124,9 @@ class BlockPool:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
-            tokens = seq.block_tokens(i, bs)
-            seq.block_hashes.append(hash_block(parent_hash(seq, i), tokens))
-            self.register(seq.block_table[i], seq.block_hashes[i], parent_hash(seq, i), tokens)
+            tokens, parent = seq.block_tokens(i, bs), parent_hash(seq, i)
+            seq.block_hashes.append(hash_block(parent, tokens))
+            self.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
 
     def find(self, seq: Sequence, i: int) -> int | None:
         """The cached block holding block `i` of `seq` (by its recorded hash), if any."""
