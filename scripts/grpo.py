@@ -38,7 +38,8 @@ def group_advantages(rewards: torch.Tensor, prompt_index: torch.Tensor, eps: flo
     advantages = torch.zeros_like(rewards)
     for group in prompt_index.unique():
         rows = prompt_index == group
-        centred = rewards[rows].double() - rewards[rows].double().mean()
+        r = rewards[rows].double()
+        centred = r - r.mean()
         std = centred.square().mean().sqrt()
         if std > eps:
             advantages[rows] = (centred / std).to(rewards.dtype)
