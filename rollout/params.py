@@ -25,7 +25,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     given twice in one call still gets different samples: see `prompt_repeats`).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     `stop` strings end a sample at the token whose text completes one of them (finish reason "stop"); that
-    token stays in the sample, and the string in its text, so the tokens are what the model made.
+    token stays in the sample, and the string in its text, so the tokens are what the model made. A string that is
+    a special token's own text (`"<|im_end|>"`) ends the sample at that token, which the text leaves out.
     """
 
     n: int = 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
@@ -96,6 +96,25 @@ def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monk
     tokens = prompt + tokenizer.encode("some text") + [tokenizer.eos_token_id] * 2000
     assert StopStrings(tokenizer).completed([(tokens, len(prompt))], [["</answer>"]]) == [False]
     assert sum(decoded) <= len(tokenizer.all_special_ids)
+
+
+def test_a_special_tokens_own_text_as_a_stop_string_ends_the_sample_at_it(model_dir, tmp_path):
+    """`stop=["<|im_end|>"]` (a special token, which the text leaves out) stops at that token, as `generate`'s
+    stop_strings do, for a named special token and one only the added vocabulary marks special (Llama 3's
+    `<|eom_id|>`); it was never found, so such a sample ran to its length."""
+    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer.backend_tokenizer.add_special_tokens([AddedToken("<|eom_id|>", special=True)])
+    tokenizer.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    eom = tokenizer.convert_tokens_to_ids("<|eom_id|>")
+    assert eom not in tokenizer.all_special_ids and tokenizer.decode([eom], skip_special_tokens=True) == ""
+    prompt, words = tokenizer.encode("Q:"), tokenizer.encode(" some words")
+    stops = StopStrings(tokenizer)
+    for token, stop in [(tokenizer.eos_token_id, EOS), (eom, "<|eom_id|>")]:
+        samples = [(prompt + [token], len(prompt)), (prompt + words + [token], len(prompt)),
+                   (prompt + words, len(prompt)), (prompt + [token], len(prompt) + 1)]
+        assert stops.completed(samples, [[stop, "xyz"]] * 4) == [True, True, False, False], stop
+        assert stops.completed(samples[:2], [["xyz"], [PAD]]) == [False, False]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])

@@ -8,8 +8,9 @@ only once: its text less the newest token's (decoded alone, at most one characte
 must still hold the longest string, else (tokens of a few bytes of one character, special tokens that
 decode to nothing) the tail is doubled until it does or reaches the first generated token. A tail that
 starts there is read after the prompt's last tokens, as the row's text is (some tokenizers drop the leading
-space of a decode's first word). A special token that decodes to nothing completes no string, so a sample
-whose newest token is one is not decoded at all.
+space of a decode's first word). A special token that decodes to nothing completes no string in the text, so
+a sample whose newest token is one is not decoded at all; it ends its sample when its own text is one of the
+strings (`stop=["<|im_end|>"]`), as `generate(stop_strings=...)` does, although the text leaves it out.
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ _SLACK = 8
 
 class StopStrings:
     """Which samples' newest token completes one of their stop strings, read with one tokenizer (whose special
-    tokens that decode to nothing are found once, here)."""
+    tokens that decode to nothing are found once, here, with their own texts)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self.silent = _silent_ids(tokenizer)
+        self.silent = _silent_tokens(tokenizer)
 
     def completed(self, samples: Sequence[tuple[Sequence[int], int]], stops: Sequence[Sequence[str]]) -> list[bool]:
         """For each sample, `(token ids, index of its first generated one)`, whether its last token completes
         one of its `stops` (in the generated text: the prompt's text never counts)."""
         longest = [max(map(len, strings)) for strings in stops]
         widths = [2 * n + _SLACK for n in longest]
-        hits = [False] * len(samples)
+        hits = [len(tokens) > start and self.silent.get(tokens[-1]) in strings
+                for (tokens, start), strings in zip(samples, stops)]
         todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in self.silent]
         while todo:
             tails = [_tail(*samples[i], widths[i]) for i in todo]
@@ -58,11 +60,16 @@ class StopStrings:
         return hits
 
 
-def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Special tokens that decode to nothing (skipped): as the newest token, none completes a string, and a
-    run of them (EOS after EOS with `ignore_eos`) would otherwise widen the tail to the whole sample."""
-    ids = tokenizer.all_special_ids
-    return frozenset(i for i, text in zip(ids, decode(tokenizer, [[i] for i in ids])) if not text)
+def _silent_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    """The text of each special token that decodes to nothing (skipped), by id: as the newest token, none
+    completes a string in the text, and a run of them (EOS after EOS with `ignore_eos`) would otherwise widen the
+    tail to the whole sample. Those of the added vocabulary count too, not only the named ones (Llama 3's
+    `<|eom_id|>` and `<|start_header_id|>` are in no special-token attribute)."""
+    texts = {i: token.content for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for i in tokenizer.all_special_ids:
+        texts.setdefault(i, tokenizer.convert_ids_to_tokens(i))
+    ids = list(texts)
+    return {i: texts[i] for i, text in zip(ids, decode(tokenizer, [[i] for i in ids])) if not text}
 
 
 def _too_short(chars_before: int, longest: int, width: int, sample: tuple[Sequence[int], int]) -> bool:
