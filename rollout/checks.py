@@ -3,7 +3,7 @@ so `SamplingParams(n=2.0)` would otherwise fail late, inside an engine step."""
 
 from __future__ import annotations
 
-import math
+import sys
 from functools import cache
 
 import msgspec
@@ -16,7 +16,7 @@ _NAMES = {mi.NoneType: "None", mi.BoolType: "bool", mi.StrType: "str", mi.IntTyp
 
 def check_types(struct: msgspec.Struct) -> None:
     """ValueError naming the first field whose value is not of its declared type (a bool is not an
-    int; an int is a float; nan and infinities are not)."""
+    int; an int is a float, unless too large for one; nan and infinities are not)."""
     for field in _fields(type(struct)):
         value = getattr(struct, field.name)
         if not _matches(value, field.type):
@@ -37,7 +37,8 @@ def _matches(value: object, kind: mi.Type) -> bool:
     if isinstance(kind, mi.StructType):
         return isinstance(value, kind.cls)
     if isinstance(kind, mi.FloatType):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        # (an int too large for a float is no float either: math.isfinite would raise OverflowError)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
     expected = _PYTHON_TYPES.get(type(kind))
     if expected is int and isinstance(value, bool):
         return False

@@ -259,6 +259,7 @@ def test_numpy_and_torch_scalars_are_numbers():
     (dict(ignore_eos=1), "ignore_eos=1 is not of type bool"),
     (dict(seed=2**64), r"seed=18446744073709551616 must be None or in \[0, 2\*\*64\)"),
     (dict(top_k=10**30), "top_k=1000000000000000000000000000000 must be"),
+    (dict(temperature=10**400), "temperature=1000"), (dict(min_p=-(10**309)), "min_p=-1000"),
 ])
 def test_sampling_params_built_directly_are_type_checked(kwargs, match):
     """Keyword construction (msgspec checks types only when decoding) refuses ill-typed values."""
