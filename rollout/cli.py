@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import tomllib
 
 from rollout.config import LOCAL_CONFIG, load_service_config
+from rollout.out_file import check_out, write_out
 from rollout.params import SamplingParams
 from rollout.prompt_file import at_line, read_prompts
 
@@ -25,7 +26,7 @@ _SAMPLING_FLAGS = {  # SamplingParams field -> (type, help); --help shows Sampli
     "min_p": (float, "drop tokens less likely than min_p times the most likely one"),
     "max_new_tokens": (int, "most tokens generated per sample"),
     "seed": (int, "makes every sample reproducible (default: a fresh seed per call)"),
-    "logprobs_mode": (str, "'processed' (after temperature and filters) or 'raw' (the model's)"),
+    "logprobs_mode": (str, "'processed' (after temperature and filters; greedy: the model's) or 'raw' (the model's)"),
 }
 
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except KeyboardInterrupt as err:  # Ctrl-C: what was left undone, not a traceback
+        parser.exit(130, f"rollout {args.command}: interrupted" + (f"; {err}\n" if str(err) else "\n"))
     except Exception as err:
         from ray.exceptions import RayError  # loaded already whenever Ray could have raised
 
@@ -53,10 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompts", type=Path, required=True, help=(
         "JSONL file, one prompt per line: a string, a list of token ids, or an object with a \"prompt\" "
         "field holding either"))
-    sample.add_argument("--out", type=Path, required=True, help="Parquet file to write")
+    sample.add_argument("--out", type=Path, required=True, help=(
+        "Parquet file to write once every sample has arrived (replaced if it exists)"))
     demo = _command(sub, _demo, [sampling], "sample a tiny random-weight model on 2 local CPU workers")
     demo.add_argument("--out", type=Path, default=Path("rollout_demo.parquet"),
-                      help="Parquet file to write (default: rollout_demo.parquet)")
+                      help="Parquet file to write (default: rollout_demo.parquet; replaced if it exists)")
     serve = _command(sub, _serve, [service, cluster], "start the service on a Ray cluster (a job entrypoint)")
     serve.add_argument("--detach", action="store_true", help=(
         "return once the service is ready, leaving it running (stop it with `rollout stop`); by default "
@@ -174,11 +178,27 @@ def _serve(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    while not stopping.wait(1.0):
-        pass
-    stop(service)
+    try:
+        wait_for_stop(service, config.name, stopping)
+    finally:
+        stop(service)
     print(f"rollout service {config.name!r} stopped", flush=True)
     return 0
+
+
+def wait_for_stop(service: Any, name: str, stopping: threading.Event) -> None:
+    """Return once `stopping` is set; RuntimeError as soon as the service actor dies meanwhile: Ray does not
+    restart a foreground service, so `rollout serve` (a job) must fail rather than run on without it."""
+    import ray
+
+    probe = service.ready.remote()
+    while not stopping.wait(1.0):
+        if ray.wait([probe], timeout=0)[0]:
+            try:
+                ray.get(probe)
+            except ray.exceptions.RayActorError as err:
+                raise RuntimeError(f"the service actor {name!r} died, and with it its workers ({err})") from None
+            probe = service.ready.remote()
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -208,14 +228,16 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _run(prompts: list, args: argparse.Namespace) -> pa.Table:
     """Sample from the initialised service with a progress bar, write the Parquet file, print the summary."""
-    import pyarrow.parquet as pq
-
     import rollout
 
     start = time.perf_counter()
-    table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+    try:
+        table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{str(args.out)!r} was not written (it is written once every sample has "
+                                "arrived)") from None
     seconds = time.perf_counter() - start
-    pq.write_table(table, args.out)
+    write_out(table, args.out)
     print(summary(table, seconds))
     print(f"wrote {args.out}")
     return table
@@ -229,14 +251,6 @@ def summary(table: pa.Table, seconds: float) -> str:
     preemptions = pc.sum(table.column("num_preemptions")).as_py() or 0
     return (f"{table.num_rows} samples, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s); "
             f"finish: {finished or '-'}; {preemptions} preemptions")
-
-
-def check_out(path: Path) -> None:
-    """Refuse an output path that could not be written, before any sampling."""
-    if path.is_dir():
-        raise ValueError(f"--out {str(path)!r} is a directory")
-    if not path.parent.is_dir():
-        raise ValueError(f"--out {str(path)!r}: directory {str(path.parent)!r} does not exist")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,6 +23,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `temperature=0` (or below 1e-5) means greedy. `top_k=0` and `top_p=1` disable those filters. `seed=None` draws a
     fresh seed per request; a fixed seed makes each sample independent of what shares its batch (a prompt
     given twice in one call still gets different samples: see `prompt_repeats`).
+    `logprobs_mode="processed"` reports each token's logprob under the distribution it was drawn from (after
+    temperature, top-k, top-p, min-p, in that order, as in transformers), "raw" under the model's own; a greedy
+    sample reports the model's own in both modes (as vLLM does; top_k=1 at a temperature is processed: 0).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     `stop` strings end a sample at the token whose text completes one of them (finish reason "stop"); that
     token stays in the sample, and the string in its text, so the tokens are what the model made. A string that is
