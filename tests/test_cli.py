@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -115,3 +117,73 @@ def test_demo_checks_its_flags_before_building_or_starting_anything(monkeypatch,
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--n", "0"])
     assert exit_info.value.code == 2 and "n=0" in capsys.readouterr().err
+
+
+def test_an_unwritable_out_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys):
+    (tmp_path / "good.jsonl").write_text('"ok"\n')
+    monkeypatch.setattr("rollout.init", lambda *a, **k: pytest.fail("sampled before checking --out"))
+    with pytest.raises(SystemExit) as exit_info:  # /proc is a directory where nobody may create a file
+        main(["sample", "--prompts", str(tmp_path / "good.jsonl"), "--out", "/proc/x.parquet"])
+    assert exit_info.value.code == 2 and not ray.is_initialized()
+    assert "--out '/proc/x.parquet': cannot create a file in '/proc'" in capsys.readouterr().err
+
+
+class InterruptedStream:
+    def to_table(self):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_says_the_out_file_was_not_written_and_keeps_the_old_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "good.jsonl").write_text('"ok"\n')
+    out = tmp_path / "x.parquet"
+    out.write_text("earlier run")
+    monkeypatch.setattr("rollout.init", lambda *a, **k: None)
+    monkeypatch.setattr("rollout.shutdown", lambda: None)
+    monkeypatch.setattr("rollout.sample", lambda *a, **k: InterruptedStream())
+    with pytest.raises(SystemExit) as exit_info:  # not KeyboardInterrupt: no traceback
+        main(["sample", "--prompts", str(tmp_path / "good.jsonl"), "--out", str(out)])
+    assert exit_info.value.code == 130
+    assert f"rollout sample: interrupted; {str(out)!r} was not written" in capsys.readouterr().err
+    assert out.read_text() == "earlier run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "x.parquet"]
+
+
+def test_a_failed_write_leaves_no_half_file_and_says_the_samples_are_lost(tmp_path, monkeypatch):
+    from rollout import out_file
+
+    out = tmp_path / "x.parquet"
+    out.write_text("earlier run")
+
+    def half_write(table, where):
+        where.write_text("half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(out_file.pq, "write_table", half_write)
+    with pytest.raises(OSError, match="the 2 samples are lost: .*No space left"):
+        out_file.write_out(pa.table({"a": [1, 2]}), out)
+    assert out.read_text() == "earlier run" and [p.name for p in tmp_path.iterdir()] == ["x.parquet"]
+
+
+def test_a_foreground_serve_fails_when_its_service_actor_dies(model_dir):
+    """Ray does not restart a foreground service: `rollout serve` must end with an error, not run on as a
+    healthy-looking job with no service behind it."""
+    from rollout.cli import wait_for_stop
+    from rollout.config import load_service_config
+    from rollout.local_ray import start_local_ray, stop_local_ray
+
+    @ray.remote(num_cpus=0)
+    class Service:
+        async def ready(self) -> int:
+            return 1
+
+    start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.2))
+    try:
+        stopping = threading.Event()
+        service = Service.remote()
+        threading.Timer(2.0, stopping.set).start()
+        wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
+        ray.kill(service)
+        with pytest.raises(RuntimeError, match="the service actor 'svc' died"):
+            wait_for_stop(service, "svc", threading.Event())
+    finally:
+        stop_local_ray()
