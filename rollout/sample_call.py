@@ -129,14 +129,19 @@ class SampleCall:
             self.events.put_nowait((None, reason))
 
     async def _unless_aborted(self, routing: Coroutine[Any, Any, None]) -> None:
-        """Await `routing` (a `_send`), or stop it and raise the abort's reason once the call is aborted."""
+        """Await `routing` (a `_send`), or stop it and raise the abort's reason once the call is aborted. A call
+        cancelled meanwhile (its consumer went away) stops it too: else it would open streams nobody closes."""
         task = asyncio.ensure_future(routing)
         aborted = asyncio.ensure_future(self._abort_event.wait())
-        await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        aborted.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # the streams it opened are in self.streams
+        try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            stopped = not task.done()
+            if stopped:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # the streams it opened are in self.streams
+        if stopped:
             raise self.aborted
         task.result()
 

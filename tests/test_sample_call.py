@@ -121,3 +121,29 @@ def test_an_aborted_call_ends_while_it_waits_for_a_worker(pool):
 
     asyncio.run(aborted_while_waiting())
     assert served == []
+
+
+def test_a_call_cancelled_while_it_waits_for_a_worker_opens_no_stream_later(pool):
+    """A call whose consumer went away (Ray cancels the service's generator) while every worker is down stops
+    routing: the replacement, once admitted, gets no stream that nobody would read or close (its samples
+    generated for nobody, its load counted for good), and no task of the call is left waiting."""
+    pool, served = pool
+
+    async def cancelled_while_waiting() -> None:
+        for worker, handle in list(pool.workers.items()):
+            pool.lose(worker, handle, RayActorError())
+        replacement = asyncio.get_running_loop().create_future()
+        pool.replacing = {0: replacement}
+        run = SampleCall(pool, [[5, 6]], SamplingParams(n=2), num_blocks=64).run()
+        first = asyncio.ensure_future(anext(run))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await run.aclose()
+        pool.workers[0], pool.load[0], pool.replacing = stand_in_worker(served, 0), 0, {}  # admitted
+        replacement.set_result(None)
+        await asyncio.sleep(0.05)
+        assert [task for task in asyncio.all_tasks() if task is not asyncio.current_task()] == []
+
+    asyncio.run(cancelled_while_waiting())
+    assert served == [] and pool.load == {0: 0}
