@@ -7,7 +7,9 @@ import math
 import os
 import secrets
 import shutil
+import socket
 import tempfile
+import time
 from typing import Any
 
 import ray
@@ -71,12 +73,29 @@ def join_cluster(address: str, namespace: str) -> None:
                                   "this machine with `ray start --head`; pass its address (HOST:PORT)")
     try:
         resolved = services.get_ray_address_from_environment(address, None)
-        host = parse_address(resolved)[0] if resolved not in (None, "auto", "local") else None
+        host, port = parse_address(resolved) if resolved not in (None, "auto", "local") else (None, None)
     except Exception:  # no cluster found, or a malformed address: ray.init says which, below
-        host = None
+        host = port = None
     if host and is_localhost(host):
         _loopback_only()
+    if host and str(port).isdigit():
+        _check_listening(address, host, int(port))
     ray.init(address=address, namespace=namespace)
+
+
+def _check_listening(address: str, host: str, port: int) -> None:
+    """ConnectionError naming `address` when nothing accepts a connection at `host:port` within `HEAD_WAIT_S`
+    (a head node still starting gets that long): Ray would retry for many minutes, printing only warnings."""
+    deadline = time.monotonic() + HEAD_WAIT_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"no Ray cluster at {address!r}: nothing accepts connections at "
+                                      f"{host}:{port} ({err.strerror or err}); is the head node running?") from None
+            time.sleep(0.5)
 
 
 def _address_left_by_ray_start() -> str | None:
@@ -104,6 +123,7 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+HEAD_WAIT_S = 10.0  # how long join_cluster waits for a connection to the head node's GCS port
 _private_dirs: list[str] = []  # Ray's session directories of start_local_ray, removed by stop_local_ray
 # the caller's values of what this module changes, restored by stop_local_ray
 _SAVED_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -103,6 +104,19 @@ def test_auto_without_a_cluster_exits_with_a_message(command, monkeypatch, capsy
         main([command, "--address", "auto"])
     assert exit_info.value.code == 2 and not ray.is_initialized()
     assert f"rollout {command}: error: no Ray cluster to join: RAY_ADDRESS is unset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "stop"])
+def test_an_address_where_nothing_listens_exits_with_a_message(command, monkeypatch, capsys):
+    """Ray itself would retry for many minutes, printing only warnings."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    monkeypatch.setattr(local_ray, "HEAD_WAIT_S", 1.0)
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--address", f"127.0.0.1:{port}"])
+    assert exit_info.value.code == 2 and not ray.is_initialized()
+    assert f"error: no Ray cluster at '127.0.0.1:{port}': nothing accepts connections" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["sample", "demo", "serve", "stop"])
