@@ -3,6 +3,7 @@ authentication with a token of its own."""
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import secrets
@@ -59,6 +60,17 @@ def stop_local_ray() -> None:
     if _saved_cluster_flag:
         ray_constants.ENABLE_RAY_CLUSTER = _saved_cluster_flag.pop()
     _reload_auth()
+
+
+def _stop_at_exit() -> None:
+    """At exit without `stop_local_ray` (a script that never called rollout.shutdown(), or raised before it),
+    stop the local Ray and remove its session directories, which would otherwise stay in /tmp for good. It
+    runs before Ray's own exit hook (registered earlier, when Ray was imported), which then has nothing to do."""
+    if _private_dirs:
+        stop_local_ray()
+
+
+atexit.register(_stop_at_exit)
 
 
 def join_cluster(address: str, namespace: str) -> None:
