@@ -231,8 +231,16 @@ def _placement_group(config: ServiceConfig) -> PlacementGroup:
     `cpus_per_worker` CPUs for CUDA engines (one worker per GPU of the cluster by default),
     `cpus_per_worker` CPUs for CPU engines (one worker)."""
     cuda = config.engine.device.startswith("cuda")
+    bundle = {"GPU": 1, "CPU": config.cpus_per_worker} if cuda else {"CPU": config.cpus_per_worker}
+    return placement_group([bundle] * worker_count(config), strategy=config.placement_strategy,
+                           name=f"{config.name}-workers")
+
+
+def worker_count(config: ServiceConfig) -> int:
+    """`num_workers`, else one per GPU of the cluster for CUDA engines (ValueError when it has none), one for
+    CPU engines."""
+    cuda = config.engine.device.startswith("cuda")
     count = config.num_workers or (int(ray.cluster_resources().get("GPU", 0)) if cuda else 1)
     if count < 1:
         raise ValueError("engine.device is 'cuda' but the Ray cluster has no GPUs")
-    bundle = {"GPU": 1, "CPU": config.cpus_per_worker} if cuda else {"CPU": config.cpus_per_worker}
-    return placement_group([bundle] * count, strategy=config.placement_strategy, name=f"{config.name}-workers")
+    return count

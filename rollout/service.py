@@ -13,7 +13,7 @@ from ray.actor import ActorHandle
 from rollout.callers import CallerWatch
 from rollout.config import ServiceConfig
 from rollout.params import SamplingParams
-from rollout.pool import WorkerPool
+from rollout.pool import WorkerPool, worker_count
 from rollout.sample_call import SampleCall
 from rollout.service_lost import ServiceUnavailable
 from rollout.weight_keeper import start_keeper, stop_keeper
@@ -101,6 +101,7 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
     """Start the service actor named `config.name` in `config.namespace` and wait until it is ready.
     A detached service outlives the driver that started it (`rollout serve --detach`), and Ray restarts it
     whenever it dies other than by `stop` (its calls in flight fail; see `RolloutService`)."""
+    worker_count(config)  # refused here, not as the death of the service actor with its traceback
     if actor_exists(config.name, config.namespace):  # before start_keeper replaces a running service's keeper
         raise ValueError(f"a rollout service named {config.name!r} already runs in namespace "
                          f"{config.namespace!r}; stop it first (`rollout stop`)")

@@ -178,26 +178,48 @@ def test_a_failed_write_leaves_no_half_file_and_says_the_samples_are_lost(tmp_pa
     assert out.read_text() == "earlier run" and [p.name for p in tmp_path.iterdir()] == ["x.parquet"]
 
 
-def test_a_foreground_serve_fails_when_its_service_actor_dies(model_dir):
+@pytest.fixture(scope="module")
+def embedded_ray(model_dir):
+    """A private local Ray for the tests of `rollout serve`'s parts; yields the config it was started with."""
+    from rollout.config import load_service_config
+    from rollout.local_ray import start_local_ray, stop_local_ray
+
+    config = load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.2)
+    start_local_ray(config)
+    try:
+        yield config
+    finally:
+        stop_local_ray()
+
+
+def test_a_foreground_serve_fails_when_its_service_actor_dies(embedded_ray):
     """Ray does not restart a foreground service: `rollout serve` must end with an error, not run on as a
     healthy-looking job with no service behind it."""
     from rollout.cli import wait_for_stop
-    from rollout.config import load_service_config
-    from rollout.local_ray import start_local_ray, stop_local_ray
 
     @ray.remote(num_cpus=0)
     class Service:
         async def ready(self) -> int:
             return 1
 
-    start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.2))
-    try:
-        stopping = threading.Event()
-        service = Service.remote()
-        threading.Timer(2.0, stopping.set).start()
-        wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
-        ray.kill(service)
-        with pytest.raises(RuntimeError, match="the service actor 'svc' died"):
-            wait_for_stop(service, "svc", threading.Event())
-    finally:
-        stop_local_ray()
+    stopping = threading.Event()
+    service = Service.remote()
+    threading.Timer(2.0, stopping.set).start()
+    wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
+    ray.kill(service)
+    with pytest.raises(RuntimeError, match="the service actor 'svc' died"):
+        wait_for_stop(service, "svc", threading.Event())
+
+
+def test_cuda_workers_on_a_cluster_without_gpus_are_refused_before_the_service_starts(embedded_ray):
+    """The message alone, not the death of the service actor with its remote traceback."""
+    import msgspec
+
+    from rollout.service import actor_exists, launch
+
+    config = msgspec.structs.replace(embedded_ray, num_workers=None, name="no-gpus",
+                                     engine=msgspec.structs.replace(embedded_ray.engine, device="cuda"))
+    with pytest.raises(ValueError) as refused:
+        launch(config, detached=True)
+    assert str(refused.value) == "engine.device is 'cuda' but the Ray cluster has no GPUs"
+    assert not actor_exists("no-gpus", config.namespace) and not actor_exists("no-gpus-weights", config.namespace)
