@@ -2,7 +2,8 @@
 # Submit the rollout service to a Ray cluster as a job (see docs/service.md). The job's entrypoint,
 # `rollout serve`, starts the named service actors and keeps them alive until `ray job stop`.
 #
-#   scripts/submit_job.sh [CONFIG [extra `rollout serve` flags...]]      CONFIG: configs/cluster.toml
+#   scripts/submit_job.sh [CONFIG [extra `rollout serve` flags...]]      CONFIG: configs/cluster.toml, a path
+#   relative to the repository root (the job runs in an uploaded copy of it)
 #
 #   RAY_ADDRESS    the head node's dashboard (default http://127.0.0.1:8265)
 #   JOB_ID         the submission id (default rollout-service)
@@ -11,6 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:-configs/cluster.toml}"
 shift $(( $# > 0 ? 1 : 0 ))
+if [[ ! -f "$config" ]]; then  # the job reads it from the uploaded repository: a path relative to the root
+    echo "submit_job.sh: config file '$config' not found in $(pwd) (a CONFIG path is relative to the repository root)" >&2
+    exit 2
+fi
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 address="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 job="${JOB_ID:-rollout-service}"

@@ -223,3 +223,12 @@ def test_cuda_workers_on_a_cluster_without_gpus_are_refused_before_the_service_s
         launch(config, detached=True)
     assert str(refused.value) == "engine.device is 'cuda' but the Ray cluster has no GPUs"
     assert not actor_exists("no-gpus", config.namespace) and not actor_exists("no-gpus-weights", config.namespace)
+
+
+def test_submit_job_refuses_a_config_the_job_would_not_find(tmp_path):
+    """The script runs from the repository root, whose copy the job gets: a config path that is not there would
+    only fail inside the submitted job."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "submit_job.sh")
+    env = {**os.environ, "RAY_ADDRESS": "http://127.0.0.1:9"}  # nothing listens: nothing may be submitted
+    done = subprocess.run(["bash", script, "no/such.toml"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "config file 'no/such.toml' not found" in done.stderr
