@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -232,7 +233,8 @@ def _run(prompts: list, args: argparse.Namespace) -> pa.Table:
 
     start = time.perf_counter()
     try:
-        table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+        with _sigterm_as_interrupt():
+            table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"{str(args.out)!r} was not written (it is written once every sample has "
                                 "arrived)") from None
@@ -241,6 +243,17 @@ def _run(prompts: list, args: argparse.Namespace) -> pa.Table:
     print(summary(table, seconds))
     print(f"wrote {args.out}")
     return table
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, as Ctrl-C does (Ray's own handler aborts with a core dump,
+    skipping the shutdown of the embedded Ray)."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def summary(table: pa.Table, seconds: float) -> str:

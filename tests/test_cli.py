@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -160,6 +162,25 @@ def test_ctrl_c_says_the_out_file_was_not_written_and_keeps_the_old_one(tmp_path
     assert f"rollout sample: interrupted; {str(out)!r} was not written" in capsys.readouterr().err
     assert out.read_text() == "earlier run"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "x.parquet"]
+
+
+class TerminatedStream:
+    def to_table(self):  # `kill PID` (a scheduler's time limit, say) while the samples arrive
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler, "SIGTERM would abort the process"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_its_handler_restored(tmp_path, monkeypatch, capsys):
+    (tmp_path / "good.jsonl").write_text('"ok"\n')
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("rollout.init", lambda *a, **k: None)
+    monkeypatch.setattr("rollout.shutdown", lambda: None)
+    monkeypatch.setattr("rollout.sample", lambda *a, **k: TerminatedStream())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--prompts", str(tmp_path / "good.jsonl"), "--out", str(tmp_path / "x.parquet")])
+    assert exit_info.value.code == 130 and "was not written" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == (signal.SIG_DFL if before is None else before)
 
 
 def test_a_failed_write_leaves_no_half_file_and_says_the_samples_are_lost(tmp_path, monkeypatch):
