@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams, WeightSource, check_prompt_list, check_update, prompt_repeats
+from rollout.params import SamplingParams, WeightSource, check_update, prompt_repeats
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, prompt_hash
@@ -21,11 +21,19 @@ from workers.engine.model_runner import ModelRunner, startup_phase
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.recurrent import without_prefix_caching
-from workers.engine.request_checks import check_fits, check_params, check_prompt, check_sample_indices
+from workers.engine.request_checks import (
+    check_fits,
+    check_params,
+    check_prompt,
+    check_repeat,
+    check_sample_indices,
+    encode_prompts,
+)
+from workers.engine.rows import sample_row
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
-from workers.engine.stop_strings import StopStrings
-from workers.engine.tokenizer import CONTEXT_TOKENS, decode_after, encode_prompt, load_tokenizer
+from workers.engine.stop_strings import StopStrings, stopped_by_strings
+from workers.engine.tokenizer import load_tokenizer
 from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]
@@ -75,16 +83,9 @@ class Engine:
     def tokenize(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Token ids of each prompt, validated; strings need the model's tokenizer. With `params`, each
         prompt's `params.n` samples must also fit this engine's cache."""
-        check_prompt_list(prompts)
-        out = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is a string but model {self.config.model!r} has no tokenizer")
-                prompt = encode_prompt(self.tokenizer, prompt)
-            out.append(check_prompt(i, prompt, self.vocab_size, self.max_model_len))
+        out = encode_prompts(prompts, self.tokenizer, self.config.model, self.vocab_size, self.max_model_len)
         if params is not None:
-            check_params(params, self.vocab_size, self.tokenizer is not None)
+            check_params(params, self.vocab_size, self.stops)
             for i, ids in enumerate(out):
                 check_fits(self.config, self.pool.num_blocks, self.max_model_len, i, len(ids), params, params.n)
         return out
@@ -95,14 +96,12 @@ class Engine:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id.
         `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`).
         The request keeps a copy of `params`: the caller may change and reuse its object at once."""
-        check_params(params, self.vocab_size, self.tokenizer is not None)
+        check_params(params, self.vocab_size, self.stops)
         params = copy.deepcopy(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)
-        if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 0:
-            raise ValueError(f"repeat={repeat!r} must be an integer >= 0")
-        check_fits(self.config, self.pool.num_blocks, self.max_model_len, prompt_index, len(ids), params,
-                   len(indices))
+        check_repeat(repeat)
+        check_fits(self.config, self.pool.num_blocks, self.max_model_len, prompt_index, len(ids), params, len(indices))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise ValueError(f"request_id={request_id!r} is already in flight")
@@ -154,7 +153,7 @@ class Engine:
             self._drain(emit)
         copy_weights(pairs)
         self.policy_version = version
-        self.scheduler.weights_changed()
+        self.scheduler.roots.weights_changed()
         return rows
 
     def _drain(self, emit: Rows) -> None:
@@ -218,15 +217,10 @@ class Engine:
             rows = live_rows(samplers)
             samplers = [seq for seq in samplers if seq.status is not Status.FINISHED]
         seqs = self._fork(samplers)
-        rows = rows or range(len(seqs))
-        ended = []
-        for seq, row in zip(seqs, rows, strict=True):
-            seq.token_ids.append(-1 - row)
-            if len(seq.token_ids) >= seq.group.max_length:
-                ended.append(seq)
-        for seq in ended:
+        flight = InFlight.launched(sampled, self.policy_version, seqs, rows or range(len(seqs)))
+        for seq in [seq for seq in seqs if len(seq.token_ids) >= seq.group.max_length]:
             self.scheduler.finish(seq)
-        return InFlight(sampled, self.policy_version, seqs, rows)
+        return flight
 
     def _collect(self) -> bool:
         """Wait for the step in flight, if any, write its tokens, logprobs and version in, and end the
@@ -234,30 +228,16 @@ class Engine:
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return False
-        tokens, logprobs = flight.sampled.wait()
-        version, finished = flight.version, Status.FINISHED
-        for seq, row in zip(flight.seqs, flight.rows):
-            seq.token_ids[-1] = tokens[row]
-            seq.logprobs.append(logprobs[row])
-            seq.versions.append(version)
-        strings = self._stop_strings(flight.seqs)
+        flight.write()
+        strings = stopped_by_strings(self.stops, flight.seqs)
         for seq in flight.seqs:
-            ended = seq.status is finished  # it reached its length at launch
+            ended = seq.status is Status.FINISHED  # it reached its length at launch
             stop = seq.token_ids[-1] in seq.group.stop_token_ids or id(seq) in strings
             if stop and not ended:
                 self.scheduler.finish(seq)
             if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
         return True
-
-    def _stop_strings(self, seqs: list[Sequence]) -> set[int]:
-        """`id` of each sample whose newest token completes one of its stop strings."""
-        checked = [seq for seq in seqs if seq.group.params.stop]
-        if not checked:
-            return set()
-        hits = self.stops.completed([(seq.token_ids, seq.num_prompt_tokens) for seq in checked],
-                                    [seq.group.params.stop for seq in checked])
-        return {id(seq) for seq, hit in zip(checked, hits) if hit}
 
     def _take_ready(self) -> list[dict]:
         rows, self.ready = self.ready, []
@@ -284,20 +264,12 @@ class Engine:
         return out
 
     def _row(self, seq: Sequence, sample_index: int, reason: str) -> dict:
+        """The row of an ended sample; its request is forgotten with its last sample."""
         group = seq.group
         group.num_unfinished -= 1
         if group.num_unfinished == 0:
             self.groups.pop(group.request_id, None)
-        generated = seq.token_ids[seq.num_prompt_tokens:]
-        text = decode_after(self.tokenizer, [group.prompt_token_ids[-CONTEXT_TOKENS:]], [generated])[0] if (
-            self.tokenizer) else None
-        return {"request_id": f"{group.request_id}/{sample_index}", "prompt_index": group.prompt_index,
-                "sample_index": sample_index, "prompt_token_ids": group.prompt_token_ids,
-                "token_ids": generated, "logprobs": seq.logprobs[: len(generated)], "finish_reason": reason,
-                "policy_version": seq.versions[-1] if seq.versions else self.policy_version,
-                "first_policy_version": seq.versions[0] if seq.versions else self.policy_version,
-                "token_policy_versions": seq.versions if group.params.return_token_versions else None,
-                "num_preemptions": seq.num_preemptions, "worker_id": self.worker_id, "text": text}
+        return sample_row(seq, sample_index, reason, self.worker_id, self.policy_version, self.tokenizer)
 
     # ---- whole calls and introspection ------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,

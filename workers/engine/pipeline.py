@@ -58,6 +58,22 @@ class InFlight:
     seqs: list[Sequence]
     rows: list[int] | range
 
+    @classmethod
+    def launched(cls, sampled: Sampled, version: int, seqs: list[Sequence], rows: list[int] | range) -> "InFlight":
+        """The step just launched: each of `seqs` takes its sampling row's placeholder as its next token."""
+        for seq, row in zip(seqs, rows, strict=True):
+            seq.token_ids.append(-1 - row)
+        return cls(sampled, version, seqs, rows)
+
+    def write(self) -> None:
+        """Wait for the step's results and write each sequence's token (over its placeholder), logprob and
+        weights version in."""
+        tokens, logprobs = self.sampled.wait()
+        for seq, row in zip(self.seqs, self.rows):
+            seq.token_ids[-1] = tokens[row]
+            seq.logprobs.append(logprobs[row])
+            seq.versions.append(self.version)
+
 
 def live_rows(samplers: list[Sequence]) -> list[int]:
     """The sampling rows of the sequences that have not finished (one that stopped in the step before the

@@ -69,6 +69,27 @@ class Offloader:
             consumed += found is None or self.pool.ref_counts[found] == 0
         return plan, consumed + cdiv(len(seq.token_ids), self.pool.block_size) - len(plan)
 
+    def restore_fitting(self, batch: Batch, spare: int, room: int) -> tuple[list[Sequence], list[Sequence]]:
+        """Restore offloaded sequences, oldest first, while their blocks fit in `spare` device blocks and
+        they in `room` running samples. Returns those restored, and those dropped because a block that was
+        not copied is gone from the device (to recompute)."""
+        restored, lost = [], []
+        while self.offloaded and len(restored) < room:
+            seq = self.offloaded[0]
+            plan = self.plan_restore(seq)
+            if plan is None:
+                self.drop(seq)
+                lost.append(seq)
+                continue
+            blocks, consumed = plan
+            if consumed > spare:
+                break
+            self.offloaded.popleft()
+            self.restore(seq, blocks, batch)
+            restored.append(seq)
+            spare -= consumed
+        return restored, lost
+
     def restore(self, seq: Sequence, plan: list[int | None], batch: Batch) -> None:
         """Bring `seq` back onto the device following `plan`. Its CPU blocks are free again at once:
         nothing is offloaded in a step that restores, so no offload can overwrite them first."""

@@ -5,9 +5,27 @@ from __future__ import annotations
 
 import numbers
 
+import transformers
+
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams
+from rollout.params import SamplingParams, check_prompt_list
 from workers.engine.sequence import cdiv, fork_spare_blocks
+from workers.engine.stop_strings import StopStrings
+from workers.engine.tokenizer import encode_prompt
+
+
+def encode_prompts(prompts: object, tokenizer: transformers.PreTrainedTokenizerBase | None, model: str,
+                   vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """Token ids of each prompt, validated; strings need `model`'s tokenizer."""
+    check_prompt_list(prompts)
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is a string but model {model!r} has no tokenizer")
+            prompt = encode_prompt(tokenizer, prompt)
+        out.append(check_prompt(i, prompt, vocab_size, max_model_len))
+    return out
 
 
 def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int) -> list[int]:
@@ -41,19 +59,25 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
     return sorted({int(i) for i in indices})
 
 
-def check_params(params: object, vocab_size: int, has_tokenizer: bool) -> None:
+def check_params(params: object, vocab_size: int, stops: StopStrings | None) -> None:
     """Refuse sampling parameters that are not a valid `SamplingParams` (validated again: a field may have been
     set since it was built), whose stop tokens the model could never produce, or stop strings without a
-    tokenizer to read them with."""
+    tokenizer to read them with (`stops` None)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
     params.__post_init__()
     outside = [t for t in params.stop_token_ids if t >= vocab_size]
     if outside:
         raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab_size})")
-    if params.stop and not has_tokenizer:
+    if params.stop and stops is None:
         raise ValueError(f"stop={params.stop!r} needs the model's tokenizer, and this model directory has none "
                          "(stop_token_ids work without one)")
+
+
+def check_repeat(repeat: object) -> None:
+    """Refuse a `repeat` (which copy of an identical prompt of its call a request is) that is no integer >= 0."""
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 0:
+        raise ValueError(f"repeat={repeat!r} must be an integer >= 0")
 
 
 def check_fits(config: EngineConfig, num_blocks: int, max_model_len: int, index: int, prompt_len: int,

@@ -13,8 +13,9 @@ from typing import Callable, Iterator
 
 from rollout.config import EngineConfig
 from workers.engine.batch import Batch
-from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.block_pool import BlockPool
 from workers.engine.block_table import BlockTables
+from workers.engine.hash_roots import HashRoots
 from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
 from workers.engine.sequence import Sequence, Status, cdiv, fork_spare_blocks
@@ -37,13 +38,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.offloader = Offloader(pool, tables, cpu_pool)
         self.counters = dict.fromkeys(("cached_prefix_tokens", "recomputes", *TOKEN_COUNTERS), 0)
-        self.hash_root = 0
-        self.weights_updates = 0
+        self.roots = HashRoots(rope_switch_length)
         self.admit_new = True
-        # LongRoPE: a sequence longer than this uses the long RoPE factors, its blocks hash under a
-        # root of `long_rope_roots`, and a shorter one that grows past it is recomputed
-        self.rope_switch_length = rope_switch_length
-        self.long_rope_roots: set[int] = set()
         # called before any preemption; the engine collects the step in flight there (async batching), so
         # that a sample it stopped ends and frees its blocks instead of being preempted; True if there was one
         self.before_preempt: Callable[[], bool] = lambda: False
@@ -60,12 +56,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while any sequence waits, runs or is offloaded."""
         return bool(self.waiting or self.running or self.offloader.offloaded)
-
-    def weights_changed(self) -> None:
-        """Root later prompts' prefix hashes afresh, so that KV computed under earlier weights is never
-        matched, even when a weights version number comes back (a trainer resuming or rolling back)."""
-        self.weights_updates += 1
-        self.hash_root = hash_block(0, [-2, self.weights_updates])  # no block of token ids hashes this
 
     def restart_prefills(self) -> None:
         """Drop the KV of every prompt still in prefill, and of every sample still recomputing its context after
@@ -149,25 +139,11 @@ class Scheduler:
         return wasted
 
     def _recompute_rope_switches(self) -> None:
-        """Reset running sequences whose KV was computed with the short RoPE factors and whose last
-        token took them past `rope_switch_length`: like `generate`, their whole KV is recomputed with
-        the long factors (counted as a preemption)."""
-        switch = self.rope_switch_length
-        if switch is None:
-            return
-        for seq in [s for s in self.running if s.num_computed_tokens and len(s.token_ids) > switch
-                    and s.hash_root not in self.long_rope_roots]:
+        """Reset (as a preemption) the running sequences whose last token took them past the LongRoPE switch."""
+        for seq in [s for s in self.running if self.roots.crossed_switch(s)]:
             self.running.remove(seq)
             seq.num_preemptions += 1
             self._reset(seq)
-
-    def _hash_root(self, seq: Sequence) -> int:
-        """Root of the block hash chain: the weights update, and the RoPE factors `seq` uses."""
-        if self.rope_switch_length is None or len(seq.token_ids) <= self.rope_switch_length:
-            return self.hash_root
-        root = hash_block(self.hash_root, [-1])
-        self.long_rope_roots.add(root)
-        return root
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table))
@@ -209,24 +185,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _restore(self, batch: Batch, growing: int) -> list[Sequence]:
-        """Bring offloaded sequences back, oldest first, while they fit beside the `growing` decodes
-        that take a block this step."""
-        spare = self.pool.num_available - growing
-        restored, offloaded = [], self.offloader.offloaded
-        while offloaded and self.num_running_samples < self.config.max_num_seqs:
-            seq = offloaded[0]
-            plan = self.offloader.plan_restore(seq)
-            if plan is None:
-                self.offloader.drop(seq)
-                self._reset(seq)
-                continue
-            blocks, consumed = plan
-            if consumed > spare:
-                break
-            offloaded.popleft()
-            self.offloader.restore(seq, blocks, batch)
-            restored.append(seq)
-            spare -= consumed
+        """Bring offloaded sequences back while they fit beside the `growing` decodes that take a block
+        this step; one whose KV is gone from the CPU and the device is recomputed instead."""
+        room = self.config.max_num_seqs - self.num_running_samples
+        restored, lost = self.offloader.restore_fitting(batch, self.pool.num_available - growing, room)
+        for seq in lost:
+            self._reset(seq)
         self.running += restored
         return restored
 
@@ -237,7 +201,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self.admit_new or seq.started):
                 break
-            seq.hash_root = self._hash_root(seq)
+            seq.hash_root = self.roots.for_sequence(seq)
             cached = self.pool.match_prefix(seq, seq.hash_root) if self.config.enable_prefix_caching else 0
             n = self._schedule_prefill(batch, seq, budget - used)
             if not n:

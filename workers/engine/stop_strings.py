@@ -15,11 +15,14 @@ strings (`stop=["<|im_end|>"]`), as `generate(stop_strings=...)` does, although 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 from workers.engine.tokenizer import CONTEXT_TOKENS, decode, decode_after
+
+if TYPE_CHECKING:
+    from workers.engine import sequence
 
 # Characters of slack in a tail's text: a cut-off start decodes a split character as up to three
 # replacement characters, and so does an end that the newest token completes.
@@ -58,6 +61,17 @@ class StopStrings:
             for i in todo:
                 widths[i] *= 2
         return hits
+
+
+def stopped_by_strings(stops: StopStrings | None, seqs: list[sequence.Sequence]) -> set[int]:
+    """`id` of each of `seqs` whose newest token completes one of its stop strings (none without a
+    tokenizer: stop strings are refused then)."""
+    checked = [seq for seq in seqs if seq.group.params.stop]
+    if not checked:
+        return set()
+    hits = stops.completed([(seq.token_ids, seq.num_prompt_tokens) for seq in checked],
+                           [seq.group.params.stop for seq in checked])
+    return {id(seq) for seq, hit in zip(checked, hits) if hit}
 
 
 def _silent_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
