@@ -150,16 +150,22 @@ def test_eos_stops_unless_ignored(qwen3):
 
 
 
-def test_every_eos_of_the_generation_config_stops(qwen3, tmp_path):
+def test_every_eos_of_the_generation_config_stops(qwen3, tmp_path, caplog):
     """A generation config with several eos ids (as Llama 3 Instruct's) stops on whichever comes first, as
-    `generate` does."""
+    `generate` does; the tokenizer's EOS, no longer among them, stops nothing, which the log says."""
     prompt = random_prompts(1, 512, (6, 6), seed=16)[0]
-    free = run(make_engine(qwen3), [prompt], GREEDY)[(0, 0)]["token_ids"]
+    with caplog.at_level(logging.WARNING, logger="workers.engine.generation_config"):
+        free = run(make_engine(qwen3), [prompt], GREEDY)[(0, 0)]["token_ids"]
+    assert "ends no sample" not in caplog.text
     path = shutil.copytree(qwen3, tmp_path / "model")
     config = transformers.GenerationConfig.from_pretrained(path)
     config.eos_token_id = [free[5], free[2]]
     config.save_pretrained(path)
-    row = run(make_engine(str(path)), [prompt], SamplingParams(temperature=0, max_new_tokens=12))[(0, 0)]
+    with caplog.at_level(logging.WARNING, logger="workers.engine.generation_config"):
+        engine = make_engine(str(path))
+    eos = engine.tokenizer.eos_token_id
+    assert f"(id {eos}) ends no sample" in caplog.text and f"stop_token_ids=[{eos}]" in caplog.text
+    row = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=12))[(0, 0)]
     want = hf_model(str(path)).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 6:]
     assert row["finish_reason"] == "stop" and row["token_ids"] == free[:3] == want.tolist()
 

@@ -3,6 +3,8 @@ kept; the same with async batching and forks; refused, before any work, where no
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 
 import pytest
@@ -173,3 +175,33 @@ def test_text_and_stop_strings_keep_the_space_a_completion_starts_with(metaspace
     first = tok.decode(prompt + spaced[0]["token_ids"][:1], skip_special_tokens=True)[len(head):]
     stopped = run(engine, [prompt], SamplingParams(**params, stop=[first]))[(0, spaced[0]["sample_index"])]
     assert (stopped["finish_reason"], stopped["token_ids"]) == ("stop", spaced[0]["token_ids"][:1])
+
+
+def test_a_stop_string_holding_a_special_token_beside_text_is_refused(model_dir):
+    """The text leaves special tokens out, so "</answer><|im_end|>" could never be found: refused before any
+    work, naming the string and the token; the token's text alone is a stop string that works."""
+    engine = make_engine(model_dir("qwen3"))
+    prompt = random_prompts(1, 512, (4, 4))[0]
+    for stop in [f"</answer>{EOS}", f"{EOS} ", f"a{PAD}b"]:
+        with pytest.raises(ValueError, match=f"stop='{re.escape(stop)}' holds the special token"):
+            engine.generate([prompt], SamplingParams(stop=[stop]))
+        with pytest.raises(ValueError, match="holds the special token"):
+            engine.add_request(prompt, SamplingParams(stop=["fine", stop]))
+    assert engine.stats()["waiting"] == 0
+    assert engine.generate([prompt], SamplingParams(stop=[EOS, "</answer>"], max_new_tokens=2)).num_rows == 1
+
+
+def test_a_tokenizer_that_fails_to_load_is_named(model_dir, tmp_path, caplog):
+    """A model directory whose tokenizer files do not load (a missing package, a broken file) still serves
+    token-id prompts; the log says why its string prompts are refused. One without such files logs nothing."""
+    path = shutil.copytree(model_dir("qwen3"), tmp_path / "model")
+    (path / "tokenizer.json").write_text("{ not json")
+    with caplog.at_level(logging.WARNING, logger="workers.engine.tokenizer"):
+        assert load_tokenizer(make_engine(str(path)).config) is None
+    assert f"the tokenizer of '{path}' did not load" in caplog.text
+    caplog.clear()
+    for name in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
+        (path / name).unlink(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="workers.engine.tokenizer"):
+        assert load_tokenizer(make_engine(str(path)).config) is None
+    assert "did not load" not in caplog.text

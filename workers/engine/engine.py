@@ -16,7 +16,7 @@ from rollout.params import SamplingParams, WeightSource, check_update, prompt_re
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, prompt_hash
-from workers.engine.generation_config import eos_token_ids, warn_unapplied_processors
+from workers.engine.generation_config import eos_token_ids, warn_silent_tokenizer_eos, warn_unapplied_processors
 from workers.engine.model_runner import ModelRunner, startup_phase
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
@@ -54,6 +54,7 @@ class Engine:
         warn_unapplied_processors(self.runner.model)
         self.tokenizer = load_tokenizer(config)
         self.stops = StopStrings(self.tokenizer) if self.tokenizer is not None else None
+        warn_silent_tokenizer_eos(self.tokenizer, self.eos_token_ids)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
         self.cpu_pool = self._new_cpu_pool(config)
         self.runner.log_startup()

@@ -41,3 +41,14 @@ def warn_unapplied_processors(model: transformers.PreTrainedModel) -> None:
         fields = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
         logger.warning("generation_config.json sets %s, which transformers' generate applies by default; this "
                        "engine samples only as SamplingParams say, from the model's own distribution", fields)
+
+
+def warn_silent_tokenizer_eos(tokenizer: transformers.PreTrainedTokenizerBase | None, eos: frozenset[int]) -> None:
+    """Log when the tokenizer's EOS token ends no sample: as `generate`, the engine stops on the generation
+    config's EOS ids only, where vLLM stops on the tokenizer's too (a fine-tune that changed its chat's end
+    token in the tokenizer alone would run every sample to its length)."""
+    token_id = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(token_id, int) and token_id not in eos:
+        logger.warning("the tokenizer's eos_token %r (id %d) ends no sample: the generation config's EOS ids are "
+                       "%s; pass stop_token_ids=[%d] or add it to generation_config.json to stop on it",
+                       tokenizer.eos_token, token_id, sorted(eos), token_id)

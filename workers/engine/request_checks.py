@@ -62,7 +62,8 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
 def check_params(params: object, vocab_size: int, stops: StopStrings | None) -> None:
     """Refuse sampling parameters that are not a valid `SamplingParams` (validated again: a field may have been
     set since it was built), whose stop tokens the model could never produce, or stop strings without a
-    tokenizer to read them with (`stops` None)."""
+    tokenizer to read them with (`stops` None) or that hold a special token beside other text: the text
+    leaves special tokens out, so such a string would never be found."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
     params.__post_init__()
@@ -72,6 +73,11 @@ def check_params(params: object, vocab_size: int, stops: StopStrings | None) -> 
     if params.stop and stops is None:
         raise ValueError(f"stop={params.stop!r} needs the model's tokenizer, and this model directory has none "
                          "(stop_token_ids work without one)")
+    for stop in params.stop:
+        special = next((t for t in stops.silent.values() if t in stop and t != stop), None)
+        if special is not None:
+            raise ValueError(f"stop={stop!r} holds the special token {special!r}, which the text leaves out, so it "
+                             "would never be found; stop on the token alone, or pass its id in stop_token_ids")
 
 
 def check_repeat(repeat: object) -> None:

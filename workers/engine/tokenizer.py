@@ -3,9 +3,14 @@ generated tokens into text."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import transformers
 
 from rollout.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(config: EngineConfig) -> transformers.PreTrainedTokenizerBase | None:
@@ -14,9 +19,18 @@ def load_tokenizer(config: EngineConfig) -> transformers.PreTrainedTokenizerBase
     A directory without tokenizer files gets an empty tokenizer from transformers 5 (special tokens only): none."""
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-    except (OSError, ValueError, TypeError, ImportError):
+    except (OSError, ValueError, TypeError, ImportError) as err:
+        if _has_tokenizer_files(config.model):
+            logger.warning("the tokenizer of %r did not load (%s: %s): string prompts and stop strings are refused "
+                           "and rows have no text", config.model, type(err).__name__, err)
         return None
     return tokenizer if set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids) else None
+
+
+def _has_tokenizer_files(model: str) -> bool:
+    """Whether directory `model` holds a tokenizer's files (one that failed to load is then worth a warning)."""
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
+    return any((Path(model) / name).is_file() for name in names)
 
 
 def encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, text: str) -> list[int]:
