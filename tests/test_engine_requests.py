@@ -183,6 +183,31 @@ def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
     assert_nothing_leaked(engine)
 
 
+@pytest.mark.parametrize("async_batching", [False, True])
+@pytest.mark.parametrize("interrupt_at", [1, 3, 10])
+def test_an_interrupted_generate_leaves_nothing_for_the_next(qwen3, monkeypatch, async_batching, interrupt_at):
+    """Ctrl-C (or a failed step) inside `generate` aborts its requests: the next call returns its own rows
+    only, and every block is back."""
+    engine = make_engine(qwen3, async_batching=async_batching)
+    prompts, params = random_prompts(3, 512, (4, 12), seed=23), SamplingParams(n=2, max_new_tokens=12, ignore_eos=True)
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert_nothing_leaked(engine)
+    table = engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))
+    assert table.num_rows == 1 and table.column("prompt_index").to_pylist() == [0]
+
+
 def test_sample_indices_subset(qwen3):
     prompt = random_prompts(1, 512, (12, 12), seed=16)[0]
     params = SamplingParams(n=6, max_new_tokens=10, seed=9, ignore_eos=True)

@@ -277,15 +277,27 @@ class Engine:
                  use_tqdm: bool = False) -> pa.Table:
         """Every sample of every prompt, rows ordered by prompt then sample."""
         token_lists = self.tokenize(prompts, params)
-        for i, (ids, repeat) in enumerate(zip(token_lists, prompt_repeats(token_lists))):
-            self.add_request(ids, params, prompt_index=i, repeat=repeat)
+        request_ids: list[str] = []
         rows = []
-        with tqdm(total=len(token_lists) * params.n, disable=not use_tqdm, desc="samples") as bar:
-            while self.has_unfinished():
-                done = self.step()
-                rows += done
-                bar.update(len(done))
+        try:
+            for i, (ids, repeat) in enumerate(zip(token_lists, prompt_repeats(token_lists))):
+                request_ids.append(self.add_request(ids, params, prompt_index=i, repeat=repeat))
+            with tqdm(total=len(token_lists) * params.n, disable=not use_tqdm, desc="samples") as bar:
+                while self.has_unfinished():
+                    done = self.step()
+                    rows += done
+                    bar.update(len(done))
+        except BaseException:  # Ctrl-C or a failed step: the next call must not get this one's samples
+            self._forget(request_ids)
+            raise
         return sort_samples(pa.Table.from_batches([samples_to_batch(rows)]))
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Abort these requests and drop their rows that wait to be handed out."""
+        for request_id in request_ids:
+            self.abort(request_id)
+        mine = set(request_ids)
+        self.ready = [row for row in self.ready if row["request_id"].rsplit("/", 1)[0] not in mine]
 
     def stats(self) -> dict[str, int]:
         """Counters since start, the weights version, and the block pools' current state."""
