@@ -18,7 +18,6 @@ class HashRoots:
         self.rope_switch_length = rope_switch_length
         self.weights_updates = 0
         self.root = 0
-        self.long_roots: set[int] = set()
 
     def weights_changed(self) -> None:
         """Root later prompts' prefix hashes afresh, so that KV computed under earlier weights is never
@@ -26,17 +25,14 @@ class HashRoots:
         self.weights_updates += 1
         self.root = hash_block(0, [-2, self.weights_updates])  # no block of token ids hashes this
 
-    def for_sequence(self, seq: Sequence) -> int:
-        """The root for `seq`: the weights update's, or its long-RoPE child when `seq` is past the switch."""
-        if self.rope_switch_length is None or len(seq.token_ids) <= self.rope_switch_length:
-            return self.root
-        root = hash_block(self.root, [-1])
-        self.long_roots.add(root)
-        return root
+    def assign(self, seq: Sequence) -> None:
+        """Give `seq` its root: the weights update's, or its long-RoPE child when `seq` is past the switch."""
+        seq.long_rope = self.rope_switch_length is not None and len(seq.token_ids) > self.rope_switch_length
+        seq.hash_root = hash_block(self.root, [-1]) if seq.long_rope else self.root
 
     def crossed_switch(self, seq: Sequence) -> bool:
         """True when `seq` has KV computed with the short RoPE factors but its tokens now go past the
         switch length: like `generate`, its whole KV must be recomputed with the long factors."""
         switch = self.rope_switch_length
         return (switch is not None and seq.num_computed_tokens > 0 and len(seq.token_ids) > switch
-                and seq.hash_root not in self.long_roots)
+                and not seq.long_rope)

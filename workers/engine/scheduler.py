@@ -201,7 +201,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not (self.admit_new or seq.started):
                 break
-            seq.hash_root = self.roots.for_sequence(seq)
+            self.roots.assign(seq)
             cached = self.pool.match_prefix(seq, seq.hash_root) if self.config.enable_prefix_caching else 0
             n = self._schedule_prefill(batch, seq, budget - used)
             if not n:

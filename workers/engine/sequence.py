@@ -85,6 +85,7 @@ class Sequence:
     cpu_blocks: list[int] = field(default_factory=list)
     cpu_state: int = -1  # the CPU pool's state slot holding an offloaded sequence's recurrent state
     row: int = -1
+    long_rope: bool = False  # its KV uses a LongRoPE model's long factors (hash_roots.py)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.group.prompt_token_ids)  # read every step: a plain attribute
@@ -117,4 +118,5 @@ class Sequence:
         """A child with this sequence's tokens and blocks (the caller fixes refcounts and the last block)."""
         return Sequence(self.group, [sample_index], list(self.token_ids), self.status,
                         self.num_computed_tokens, list(self.block_table), list(self.block_hashes),
-                        list(self.logprobs), list(self.versions), self.hash_root, self.num_preemptions)
+                        list(self.logprobs), list(self.versions), self.hash_root, self.num_preemptions,
+                        long_rope=self.long_rope)
