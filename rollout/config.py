@@ -90,7 +90,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check_cuda_graphs(self)
 
 
-LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.toml"
+LOCAL_CONFIG = Path(__file__).resolve().parent / "local.toml"  # configs/local.toml links to it; in the wheel too
 
 
 class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

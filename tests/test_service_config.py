@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import ray
@@ -50,7 +54,7 @@ def test_bad_files(tmp_path, model):
 def test_shipped_configs_load(tmp_path):
     local = load_service_config()
     assert local.num_workers == 2 and local.engine.device == "cpu" and not local.engine.model.startswith("~")
-    cluster = load_service_config(LOCAL_CONFIG.parent / "cluster.toml")
+    cluster = load_service_config(Path(__file__).parents[1] / "configs" / "cluster.toml")
     assert cluster.num_workers is None and cluster.engine.device == "cuda"
     assert load_service_config(cluster, model="/m", num_workers=3).engine.model == "/m"
     engine = load_service_config(engine=EngineConfig(model="/e", num_blocks=7)).engine
@@ -75,3 +79,21 @@ def test_workers_that_cannot_be_placed_fail_after_the_placement_timeout(model):
         assert ray.is_initialized()
     finally:
         stop_local_ray()
+
+
+def test_the_wheel_carries_the_default_service_config(tmp_path):
+    """`pip install .` (not `-e`) has no configs/ directory: the default config that `rollout demo`, `rollout
+    sample` and `rollout.sample` without `init` read must travel inside the package, and load from there."""
+    pytest.importorskip("setuptools", reason="builds the wheel without build isolation")
+    root = Path(__file__).parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path,
+                    root], check=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("rollout-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("rollout/local.toml") == LOCAL_CONFIG.read_bytes()
+        archive.extractall(tmp_path / "site")
+    code = "import rollout.config as c; print(c.__file__); print(c.load_service_config().engine.model)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout
+    assert out.split() == [str(tmp_path / "site" / "rollout" / "config.py"), load_service_config().engine.model]
+    assert (root / "configs" / "local.toml").resolve() == LOCAL_CONFIG
