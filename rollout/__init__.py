@@ -4,6 +4,8 @@ The contract (`SamplingParams`, the Arrow schema, config structs) imports withou
 functions (`init`, `sample`, `update_weights`, `init_weight_sync`, `shutdown`) are loaded on first use.
 """
 
+from typing import Any
+
 from rollout.params import SamplingParams
 from rollout.schema import SAMPLE_SCHEMA
 
@@ -12,7 +14,8 @@ __all__ = ["SamplingParams", "SAMPLE_SCHEMA", "init", "sample", "update_weights"
 _SERVICE_NAMES = {"init", "sample", "update_weights", "init_weight_sync", "shutdown", "RolloutStream"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
+    """The service functions, imported from `rollout.api` (and with it Ray) on first use."""
     if name in _SERVICE_NAMES:
         from rollout import api
 

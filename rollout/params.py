@@ -4,7 +4,7 @@ weight update."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Any, Mapping, Union
 
 import msgspec
 
@@ -66,7 +66,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "SamplingParams":
+    def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
         """Build from keyword arguments, turning unknown or ill-typed ones (numeric strings too) into a
         ValueError; numpy and torch scalars count as the Python numbers they hold."""
         plain = {k: v.item() if getattr(v, "ndim", None) == 0 else v for k, v in kwargs.items()}
@@ -96,7 +96,7 @@ def prompt_repeats(prompts: list[list[int]]) -> list[int]:
     return repeats
 
 
-def _check(ok: bool, name: str, value, why: str) -> None:
+def _check(ok: bool, name: str, value: object, why: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} {why}")
 
