@@ -12,6 +12,7 @@ from ray.actor import ActorHandle
 
 from rollout.callers import CallerWatch
 from rollout.config import ServiceConfig
+from rollout.local_ray import get_result
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool, worker_count
 from rollout.sample_call import SampleCall
@@ -110,15 +111,10 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
         name=config.name, namespace=config.namespace, num_cpus=0, max_restarts=-1 if detached else 0,
         max_task_retries=0, lifetime="detached" if detached else None).remote(config, keeper)
     try:
-        ray.get(service.ready.remote())
-    except BaseException as err:
+        get_result(service.ready.remote())  # raised in the service, or in a worker under it: the cause says why
+    except BaseException:
         stop(service)
         stop_keeper(config)
-        cause = err
-        while isinstance(cause, ray.exceptions.RayTaskError) and isinstance(cause.cause, Exception):
-            cause = cause.cause  # raised in the service, or in a worker under it: the cause says what went wrong
-        if cause is not err:
-            raise cause from None
         raise
     return service
 
