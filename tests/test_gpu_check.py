@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# the stand-in: each step logs its script's name; FAIL names a step that exits 1, SLOW one that sleeps 30 s
+# the stand-in: each step logs its script's name; FAIL names a step that exits 1, SLOW one that sleeps 30 s,
+# DEAF one that sleeps 30 s deaf to SIGINT (as a process waiting in C code or on a worker thread)
 FAKE_PYTHON = """#!/usr/bin/env bash
 case "$*" in *"pip install"*|*"import torch, triton"*) exit 0;; esac
 step=$(printf '%s\\n' "$@" | grep -m1 -oE '[a-z_]+\\.py' || echo "$1")
 echo "$step" >> "$STEPS"
 [[ "$*" == *"$SLOW"* ]] && exec sleep 30
+[[ "$*" == *"$DEAF"* ]] && { trap '' INT; sleep 30; exit 0; }
 [[ "$*" == *"$FAIL"* ]] && exit 1
 exit 0
 """
 
 
-def run_check(tmp_path: Path, total_s: int = 60, fail: str = "-none-", slow: str = "-none-",
+def run_check(tmp_path: Path, total_s: int = 60, fail: str = "-none-", slow: str = "-none-", deaf: str = "-none-",
               **env: str) -> tuple[int, list[str], str]:
     """Run gpu_check.sh with the stand-in; returns its exit code, the steps run in order, and its output."""
     bin_dir = tmp_path / "bin"
@@ -32,7 +35,8 @@ def run_check(tmp_path: Path, total_s: int = 60, fail: str = "-none-", slow: str
     steps = tmp_path / "steps.txt"
     steps.unlink(missing_ok=True)
     environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-                   "STEPS": str(steps), "FAIL": fail, "SLOW": slow, "GPU_CHECK_TOTAL_S": str(total_s), **env}
+                   "STEPS": str(steps), "FAIL": fail, "SLOW": slow, "DEAF": deaf, "GPU_CHECK_TOTAL_S": str(total_s),
+                   **env}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=environment, capture_output=True,
                           text=True, timeout=120)
     return done.returncode, steps.read_text().split() if steps.exists() else [], done.stdout
@@ -62,6 +66,26 @@ def test_a_step_past_the_limit_is_stopped_and_the_rest_not_started(tmp_path):
     assert steps[-1] == "bench_gpu.py" and "bench_attention.py" not in steps
     assert "bench_gpu.py: stopped at GPU_CHECK_TOTAL_S=3 s" in out
     assert "scripts/bench_attention.py: not started" in out and "bench_gpu exit 124" in out
+
+
+def test_the_engine_tests_are_stopped_at_the_limit_too(tmp_path):
+    """A hung engine test must not hold the call past its limit: pytest is interrupted (its summary says what
+    failed and where it hung), nothing else starts, and the check fails."""
+    start = time.monotonic()
+    rc, steps, out = run_check(tmp_path, total_s=3, slow="test_triton_kernels.py")
+    assert time.monotonic() - start < 20, out
+    assert rc == 1 and steps == ["test_triton_kernels.py"], out
+    assert "tests/test_triton_kernels.py: stopped at GPU_CHECK_TOTAL_S=3 s" in out
+    assert "tests/test_fla.py: not started" in out and "pytest exit 124" in out
+
+
+def test_a_step_deaf_to_the_interrupt_is_killed(tmp_path):
+    """A step that goes on after SIGINT is killed 15 s later, and counts as stopped by the limit."""
+    start = time.monotonic()
+    rc, steps, out = run_check(tmp_path, total_s=3, deaf="test_fla.py")
+    assert time.monotonic() - start < 25, out
+    assert rc == 0 and steps[-1] == "test_fla.py", out
+    assert "tests/test_fla.py: stopped at GPU_CHECK_TOTAL_S=3 s" in out and "test_fla exit 124" in out
 
 
 def test_skip_bench_gpu_leaves_it_out(tmp_path):
