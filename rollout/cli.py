@@ -205,18 +205,13 @@ def wait_for_stop(service: Any, name: str, stopping: threading.Event) -> None:
 def _stop(args: argparse.Namespace) -> int:
     """Stop the service named by --config (its workers, the service actor and its weight keeper) on a running
     Ray cluster; exit status 1 when no such service runs (a keeper it left behind is stopped all the same)."""
-    import ray
-
-    from rollout.local_ray import join_cluster
+    from rollout.local_ray import join_cluster, named_actor
     from rollout.service import stop
     from rollout.weight_keeper import stop_keeper
 
     config = load_service_config(args.config, **_overrides(args))
     join_cluster(args.address, config.namespace)
-    try:
-        service = ray.get_actor(config.name, namespace=config.namespace)
-    except ValueError:
-        service = None
+    service = named_actor(config.name, config.namespace)
     if service is not None:
         stop(service)
     stop_keeper(config)  # in case the service was dead and could not

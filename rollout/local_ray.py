@@ -18,6 +18,7 @@ from ray._common.network_utils import is_localhost, parse_address
 from ray._private import ray_constants, services
 from ray._private.utils import get_ray_address_file
 from ray._raylet import AuthenticationTokenLoader, Config
+from ray.actor import ActorHandle
 from ray.exceptions import RayTaskError
 
 from rollout.config import ServiceConfig
@@ -164,6 +165,14 @@ def _reload_auth() -> None:
     """Make this process's Ray re-read the authentication mode and token from the environment."""
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def named_actor(name: str, namespace: str) -> ActorHandle | None:
+    """The live actor of this name in `namespace`, or None (Ray frees a name some time after a kill)."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def get_result(ref: ray.ObjectRef) -> Any:

@@ -12,7 +12,7 @@ from ray.actor import ActorHandle
 
 from rollout.callers import CallerWatch
 from rollout.config import ServiceConfig
-from rollout.local_ray import get_result
+from rollout.local_ray import get_result, named_actor
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool, worker_count
 from rollout.sample_call import SampleCall
@@ -121,11 +121,7 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
 
 def actor_exists(name: str, namespace: str) -> bool:
     """True while an actor of this name lives in `namespace` (Ray frees a name some time after a kill)."""
-    try:
-        ray.get_actor(name, namespace=namespace)
-        return True
-    except ValueError:
-        return False
+    return named_actor(name, namespace) is not None
 
 
 def stop(service: ActorHandle) -> None:

@@ -11,6 +11,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorAlreadyExistsError
 
 from rollout.config import ServiceConfig
+from rollout.local_ray import named_actor
 from workers.messages import WeightUpdate
 
 
@@ -48,13 +49,9 @@ async def exported(worker: ActorHandle, update: WeightUpdate) -> WeightUpdate:
 def start_keeper(config: ServiceConfig) -> ActorHandle:
     """A fresh keeper for the detached service of `config`, named `{name}-weights` (one left by an earlier
     service of that name is replaced, so that a new service never replays stale weights)."""
-    name = f"{config.name}-weights"
-    try:
-        ray.kill(ray.get_actor(name, namespace=config.namespace), no_restart=True)
-    except ValueError:
-        pass  # none yet
-    remote = ray.remote(WeightKeeper).options(name=name, namespace=config.namespace, lifetime="detached",
-                                              num_cpus=0, max_restarts=0)
+    stop_keeper(config)
+    remote = ray.remote(WeightKeeper).options(name=_keeper_name(config), namespace=config.namespace,
+                                              lifetime="detached", num_cpus=0, max_restarts=0)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -67,7 +64,10 @@ def start_keeper(config: ServiceConfig) -> ActorHandle:
 
 def stop_keeper(config: ServiceConfig) -> None:
     """Kill the keeper of the service of `config`, if it has one."""
-    try:
-        ray.kill(ray.get_actor(f"{config.name}-weights", namespace=config.namespace), no_restart=True)
-    except ValueError:
-        pass
+    keeper = named_actor(_keeper_name(config), config.namespace)
+    if keeper is not None:
+        ray.kill(keeper, no_restart=True)
+
+
+def _keeper_name(config: ServiceConfig) -> str:
+    return f"{config.name}-weights"

@@ -8,7 +8,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from rollout.local_ray import join_cluster
+from rollout.local_ray import join_cluster, named_actor
 from rollout.service_lost import service_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
@@ -31,15 +31,10 @@ class RolloutClient:
         if not ray.is_initialized():
             join_cluster(address, namespace)
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                service = ray.get_actor(name, namespace=namespace)
-                break
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no rollout service {name!r} in namespace {namespace!r} "
-                                       f"after {timeout_s} s") from None
-                time.sleep(0.5)
+        while (service := named_actor(name, namespace)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout service {name!r} in namespace {namespace!r} after {timeout_s} s")
+            time.sleep(0.5)
         ray.get(service.ready.remote(), timeout=max(deadline - time.monotonic(), 1.0))
         return cls(service)
 
