@@ -24,15 +24,15 @@ A variant whose option this branch or this transformers lacks is reported unavai
 runs `generate_batch`'s own steps with the outputs collected by bench_gpu_hf.py: transformers 5.17 (the GPU
 image's) returns only the first of each prompt's n samples from `generate_batch`.
 
-Printed per model and workload: tokens/s (generated tokens over the generation's time: the engine's
-requests added and stepped to the end, as `generate` does; transformers' first request created to last
-request finished), each engine's ratio to each transformers variant, start-up seconds (engine: construction
-= load, KV sizing, warm-up and graph capture, plus a 2-prompt warm-up call; "capture" is the runner's
-`graph_capture_s` where it reports one, in brackets the part spent in each graph's warm-up launch, where
-kernels compile on first use; the JSON adds `graphs`, how many were captured, and `startup_phases_s`, the
-runner's seconds per phase of construction, printed below the table for decode and workloads alike;
-transformers: model load plus the rest of the call: cache allocation and its graph warm-up) and the
-engine's preemptions. Target: this engine (engine-on) at least 2x every transformers variant.
+Printed per model and workload: tokens/s (generated tokens over the generation's time: the engine's requests
+added and stepped to the end, as `generate` does; transformers' first request created to last request
+finished), each engine's ratio to each transformers variant (the JSON's `ratio_vs`), start-up seconds
+(engine: construction = load, KV sizing, warm-up and graph capture, plus a 2-prompt warm-up call; "capture"
+is the runner's `graph_capture_s` where it reports one, in brackets the part spent in each graph's warm-up
+launch, where kernels compile on first use; the JSON adds `graphs`, how many were captured, and
+`startup_phases_s`, the runner's seconds per phase of construction, printed below the table for decode and
+workloads alike; transformers: model load plus the rest of the call: cache allocation and its graph warm-up)
+and the engine's preemptions. Target: this engine (engine-on) at least 2x every transformers variant.
 
 decode: a fresh engine per variant gets --decode-seqs prompts of --decode-context random tokens and steps
 until every sequence decodes; then --decode-steps calls of engine.step() are timed as one block between
@@ -210,9 +210,9 @@ def print_workload(model: str, item: str, rows: list[dict], args: argparse.Names
                               "capture s (warm)", "preempted", "status"))
     peers = {r["system"]: r["tokens_per_s"] for r in rows if r["system"] in HF_SYSTEMS and r["status"] == "ok"}
     for r in rows:
-        ok, is_engine = r["status"] == "ok", r["system"] in ENGINE_SYSTEMS
-        ratios = [fmt(r["tokens_per_s"] / peers[s], ".2f") + "x" if ok and is_engine and s in peers else "-"
-                  for s in HF_SYSTEMS]
+        if r["status"] == "ok" and r["system"] in ENGINE_SYSTEMS:  # kept in the JSON too
+            r["ratio_vs"] = {s: r["tokens_per_s"] / peer for s, peer in peers.items()}
+        ratios = [f"{r['ratio_vs'][s]:.2f}x" if s in r.get("ratio_vs", {}) else "-" for s in HF_SYSTEMS]
         pre = r.get("preemptions")
         print(WORKLOAD_ROW.format(r["system"], fmt(r.get("tokens_per_s"), ".0f"), *ratios,
                                   fmt(r.get("startup_s"), ".1f"), capture(r),

@@ -77,6 +77,8 @@ def test_smoke_prints_every_table_and_generates_the_workloads_tokens(tmp_path):
             assert run["tokens_per_s"] > 0 and run["startup_s"] > 0
             if run["system"].startswith("engine"):
                 assert sum(run["startup_phases_s"].values()) < run["startup_s"]
+                peer = next(r for r in runs if r["workload"] == run["workload"] and r["system"] == "hf-default")
+                assert run["ratio_vs"] == {"hf-default": run["tokens_per_s"] / peer["tokens_per_s"]}  # as printed
 
 
 @pytest.mark.parametrize("option", [("--workloads", "rollouts_999"), ("--profile-decode", "-1")])
