@@ -87,9 +87,10 @@ def _token_ids(seqs: list[Sequence], starts: np.ndarray, num_tokens: list[int], 
 
 
 def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: int = 0,
-                 context: int = 0) -> StepPlan:
+                 context: int = 0, num_blocks: int | None = None) -> StepPlan:
     """A synthetic step: one sequence of `num_tokens` prompt tokens after `context` cached ones, over
-    blocks 0, 1, ... (and row 0's ring, of `ring_tokens`), and `num_rows` sampling rows with every filter
+    blocks 0, 1, ... (wrapping round a cache of `num_blocks`, when given: a warm-up's step may be longer
+    than a tiny cache), and row 0's ring, of `ring_tokens`, and `num_rows` sampling rows with every filter
     on (the sampler's most memory-hungry path)."""
     length = context + num_tokens
     width = cdiv(length, block_size)
@@ -97,8 +98,9 @@ def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: i
     uniform = np.linspace(0, 1, num_rows, endpoint=False)
     full = np.ones(num_rows)
     positions = np.arange(context, length, dtype=np.int64)
+    wrap = (num_blocks or width) * block_size
     arrays = {"ids": np.zeros(num_tokens, np.int64), "positions": positions,
-              "slots": positions.copy(), "cu_seqlens_q": np.array([0, num_tokens], np.int32),
+              "slots": positions % wrap, "cu_seqlens_q": np.array([0, num_tokens], np.int32),
               "seq_lens": np.array([length], np.int32), "rows": np.zeros(1, np.int64), "keep": keep,
               "logits_rows": np.arange(num_rows, dtype=np.int64) % keep.size,
               "table_cells": np.zeros(0, np.int64), "table_values": np.zeros(0, np.int32),
@@ -109,5 +111,5 @@ def profile_plan(num_tokens: int, num_rows: int, block_size: int, ring_tokens: i
         arrays["ring_slots"] = ring_slots(np.zeros(num_tokens, np.int64), arrays["positions"], ring_tokens)
     flags = SamplingFlags(scale=True, max_top_k=50, top_k1=False, top_p=True, min_p=True, all_greedy=False,
                           any_greedy=False, any_raw=False)
-    tables = torch.arange(width, dtype=torch.int32)[None]
+    tables = (torch.arange(width, dtype=torch.int32) % (num_blocks or width))[None]
     return StepPlan(arrays, flags, num_rows, width, num_tokens, length, expand=True, tables=tables)
