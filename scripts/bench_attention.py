@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from typing import Callable
 
 import torch
 from bench_gpu_runs import copy_bandwidth
@@ -52,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def decode_step(seqs: int, context: int, args: argparse.Namespace):
+def decode_step(seqs: int, context: int, args: argparse.Namespace,
+                ) -> tuple[torch.Tensor, AttentionMetadata, tuple[torch.Tensor, ...], int]:
     """A filled one-layer cache, the step's metadata and q/k/v, plus the bytes one call moves."""
     dtype, bs = getattr(torch, args.dtype), args.block_size
     blocks_per_seq = -(-context // bs)
@@ -84,14 +86,14 @@ def dense_kv(kv_cache: torch.Tensor, meta: AttentionMetadata, value_dim: int) ->
     return k_all, v_all[..., :value_dim].contiguous()
 
 
-def sdpa_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor):
+def sdpa_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor) -> Callable[[], torch.Tensor]:
     """torch's fused attention for the same decode over the dense keys and values."""
     q4 = q.view(q.shape[0], q.shape[1], 1, q.shape[2])
     return functools.partial(torch.nn.functional.scaled_dot_product_attention, q4, k_all, v_all,
                              enable_gqa=True)
 
 
-def grouped_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor):
+def grouped_peer(k_all: torch.Tensor, v_all: torch.Tensor, q: torch.Tensor) -> Callable[[], torch.Tensor]:
     """softmax(q k^T / sqrt(d)) v with each KV head's query group in one batched matmul. For heads wider than
     sdpa's fused kernels take (256), sdpa falls back to a math path that copies K/V, in float32, for every
     query head: at 256 sequences of DeepSeek-V2-Lite's latent 32 GiB for the values alone, more than an

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -42,13 +42,13 @@ def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, MODEL["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine_config(path: str, **overrides) -> EngineConfig:
+def engine_config(path: str, **overrides: Any) -> EngineConfig:
     """The benchmark's CPU engine: a cache roomy enough for the whole workload unless overridden."""
     defaults = dict(block_size=16, num_blocks=6000, max_batch_tokens=2048, max_num_seqs=256)
     return EngineConfig(model=path, **{**defaults, **overrides})
 
 
-def engine_run(path: str, prompts, n: int, new: int, **config) -> Callable[[], float]:
+def engine_run(path: str, prompts: list[list[int]], n: int, new: int, **config: Any) -> Callable[[], float]:
     """A function timing one full rollout on a warm default-built engine (`config` overriding defaults;
     prefix cache cleared first); tokens/s. Prints the cache size and the preemptions so far."""
     engine = Engine(EngineConfig(model=path, **config))
@@ -75,7 +75,8 @@ def hf_generation_config(n: int, new: int) -> transformers.GenerationConfig:
                                          min_new_tokens=new, num_return_sequences=n, eos_token_id=0, pad_token_id=1)
 
 
-def generate_run(path: str, prompts, n: int, new: int, prompts_per_batch: int = 4) -> Callable[[], float]:
+def generate_run(path: str, prompts: list[list[int]], n: int, new: int,
+                 prompts_per_batch: int = 4) -> Callable[[], float]:
     """A function timing transformers `generate` over static batches of `prompts_per_batch` prompts."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = hf_generation_config(n, new)
@@ -96,7 +97,7 @@ def generate_run(path: str, prompts, n: int, new: int, prompts_per_batch: int = 
     return once
 
 
-def bench_generate_batch(path: str, prompts, n: int, new: int) -> float:
+def bench_generate_batch(path: str, prompts: list[list[int]], n: int, new: int) -> float:
     """tokens/s of transformers' own continuous batching (`generate_batch`) on the workload."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     start = time.perf_counter()
@@ -175,7 +176,7 @@ def bench_step_overhead(path: str, cases: dict[str, list[tuple[int, int]]], bloc
     return {name: (statistics.median(times[name, True]), statistics.median(times[name, False])) for name in cases}
 
 
-def best_generate(path: str, prompts, n: int, new: int) -> tuple[str, Callable[[], float]]:
+def best_generate(path: str, prompts: list[list[int]], n: int, new: int) -> tuple[str, Callable[[], float]]:
     """`generate` with its fastest batch of 4, 8 or 16 prompts per call (one timed call each)."""
     runs = {size: generate_run(path, prompts, n, new, size) for size in (4, 8, 16)}
     speed = {size: run() for size, run in runs.items()}
@@ -184,7 +185,8 @@ def best_generate(path: str, prompts, n: int, new: int) -> tuple[str, Callable[[
     return GENERATE.format(size), runs[size]
 
 
-def rollout_rounds(path: str, prompts, args, others: dict[str, Callable[[], float]] | None = None,
+def rollout_rounds(path: str, prompts: list[list[int]], args: argparse.Namespace,
+                   others: dict[str, Callable[[], float]] | None = None,
                    ) -> dict[str, list[float]]:
     """tokens/s of each system (the default engine, `others`, `generate`) over `args.repeats` interleaved
     rounds (the machine's speed drifts)."""
@@ -205,7 +207,7 @@ def rollout_rounds(path: str, prompts, args, others: dict[str, Callable[[], floa
     return results
 
 
-def print_rollout(results: dict[str, list[float]], args, workload: str = "cpu-rollout") -> None:
+def print_rollout(results: dict[str, list[float]], args: argparse.Namespace, workload: str = "cpu-rollout") -> None:
     """The rollout table: median tokens/s, spread over rounds, and speed-up over `generate`."""
     print(f"\n{workload}: {args.prompts} prompts x n={args.n} x {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved rounds")
@@ -221,7 +223,8 @@ def print_rollout(results: dict[str, list[float]], args, workload: str = "cpu-ro
         print(f"engine / generate per round: {', '.join(f'{r:.2f}x' for r in per_round)}")
 
 
-def capped_run(path: str, prompts, args, gib: float, **config) -> tuple[float, dict]:
+def capped_run(path: str, prompts: list[list[int]], args: argparse.Namespace, gib: float, **config: Any,
+               ) -> tuple[float, dict]:
     """tokens/s and stats of one rollout (`args`' n and new tokens, eos ignored) on an engine whose KV cache is
     capped at `gib` GiB (`config` adding fields; max_model_len the longest sample: a tiny model's 32768 would
     not fit that cache)."""
@@ -232,7 +235,7 @@ def capped_run(path: str, prompts, args, gib: float, **config) -> tuple[float, d
     return len(prompts) * args.n * args.new_tokens / (time.perf_counter() - start), engine.stats()
 
 
-def longest(prompts, args) -> int:
+def longest(prompts: list[list[int]], args: argparse.Namespace) -> int:
     """Tokens of the workload's longest sample."""
     return max(len(p) for p in prompts) + args.new_tokens
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Callable
 
 import torch
 from bench_gpu_runs import copy_bandwidth
@@ -51,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def transformers_function(name: str):
+def transformers_function(name: str) -> Callable[..., Any]:
     """Qwen3.5's decode function `name` as transformers resolved it (fla's kernel for the rule when
     installed), unwrapped."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
@@ -76,7 +77,7 @@ def step_inputs(rows: int, args: argparse.Namespace, dev: str = "cuda") -> dict:
                 windows=torch.randn(rows + 2, channels, 4, dtype=dtype, device=dev))
 
 
-def rule_ways(x: dict, rule, tiles: list[str]) -> dict:
+def rule_ways(x: dict, rule: Callable[..., Any], tiles: list[str]) -> dict:
     """The rule's three ways, and the in-place kernel with each of `tiles`, each a call returning the output."""
     from workers.engine.delta_rule_kernel import gated_delta_decode
     group = x["v"].shape[2] // x["q"].shape[2]
@@ -98,7 +99,7 @@ def rule_ways(x: dict, rule, tiles: list[str]) -> dict:
             **{f"in place {tile}": tiled(tile, in_place) for tile in tiles}}
 
 
-def tiled(tile: str, in_place):
+def tiled(tile: str, in_place: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """`in_place` with the kernel's tile "BVxWARPS", set for each call (a graph's capture is one call)."""
     import workers.engine.delta_rule_kernel as kernel
     block_v, warps = map(int, tile.split("x"))
@@ -114,7 +115,7 @@ def tiled(tile: str, in_place):
     return call
 
 
-def conv_ways(x: dict, update) -> dict:
+def conv_ways(x: dict, update: Callable[..., torch.Tensor]) -> dict:
     """The convolution's two ways, each a call returning the output."""
     from workers.engine.delta_rule_kernel import short_conv_decode
 

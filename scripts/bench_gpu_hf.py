@@ -3,12 +3,13 @@ options of each system, on the same workloads, cache sizes and offload as the en
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import math
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -34,7 +35,7 @@ def hf_options(system: str, device: str) -> tuple[dict | None, str]:
     return {"use_cuda_graph": True, "use_async_batching": True}, ""
 
 
-def hf_cache_options(w: Workload, args) -> tuple[dict, str]:
+def hf_cache_options(w: Workload, args: argparse.Namespace) -> tuple[dict, str]:
     """The workload's cache options for transformers (same KV tokens and offload GiB as the engine)."""
     out = dict(args.hf_extra)
     page_field = hf_page_field()
@@ -64,7 +65,7 @@ def hf_generation_config(w: Workload) -> transformers.GenerationConfig:
                                          pad_token_id=0, **sampling)
 
 
-def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
+def run_hf(path: Path, w: Workload, prompts: list[list[int]], options: dict, args: argparse.Namespace) -> dict:
     """One timed `generate_batch` of workload `w` on a freshly loaded model, to the end or for --window-s
     seconds from adding the requests (at most --hf-timeout-s). The generation's time runs from the first
     request's creation to the last one's end (transformers' own benchmark's measure), or to the stop;
@@ -102,7 +103,8 @@ class HFRun(NamedTuple):
 
 
 @torch.no_grad()  # as generate_batch: its worker thread updates tensors made here in place
-def generate_all(model, prompts: list[list[int]], generation_config: transformers.GenerationConfig,
+def generate_all(model: transformers.PreTrainedModel, prompts: list[list[int]],
+                 generation_config: transformers.GenerationConfig,
                  cb_config: transformers.ContinuousBatchingConfig | None, progress: bool,
                  limit_s: float = math.inf) -> HFRun:
     """The outputs of transformers' continuous batching that finished within `limit_s` seconds of adding the
@@ -134,7 +136,7 @@ def generate_all(model, prompts: list[list[int]], generation_config: transformer
     return HFRun(list(done.values()), unfinished, stopped)
 
 
-def unfinished_outputs(manager, done: dict) -> list:
+def unfinished_outputs(manager: Any, done: dict) -> list:
     """What the requests still in transformers' scheduler (running, or waiting after a preemption) have made,
     as outputs, read while its worker thread runs; results queued meanwhile join `done` (a request that
     finishes after that counts what it had made at the read)."""

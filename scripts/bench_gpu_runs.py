@@ -3,6 +3,7 @@ decode-step probe and the copy bandwidth. Each run builds its own engine or mode
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import hashlib
@@ -177,7 +178,7 @@ def start_engine(config: EngineConfig) -> tuple[Engine, float, float]:
     return engine, done - start, done - built
 
 
-def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict, args) -> dict:
+def run_engine(path: Path, w: Workload, prompts: list[list[int]], options: dict, args: argparse.Namespace) -> dict:
     """One timed run of workload `w` on a fresh engine: to the end, or for --window-s seconds."""
     sizes = {"max_model_len": w.prompt_len + w.new_tokens, "block_size": BLOCK_SIZE}
     if w.kv_tokens:
@@ -221,7 +222,7 @@ def generate_until(engine: Engine, prompts: list[list[int]], params: SamplingPar
     return rows
 
 
-def decode_probe(path: Path, options: dict, args) -> dict:
+def decode_probe(path: Path, options: dict, args: argparse.Namespace) -> dict:
     """ms per decode step at `args.decode_seqs` sequences of about `args.decode_context` tokens, and the
     bytes such a step must read (see bench_gpu.py's docstring)."""
     seqs, steps = args.decode_seqs, args.decode_steps

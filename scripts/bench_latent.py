@@ -14,6 +14,7 @@ Usage: python scripts/bench_latent.py [--prompts 16] [--n 8] [--new-tokens 128] 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import tempfile
 from unittest import mock
@@ -44,7 +45,7 @@ def expanded_kv() -> contextlib.AbstractContextManager:
     return mock.patch.object(latent, "_is_latent_attention", lambda module: False)
 
 
-def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
+def bench_pressure(path: str, prompts: list[list[int]], args: argparse.Namespace) -> list[tuple[str, float, dict]]:
     """Both caches under a budget of a quarter of the expanded cache's need (each sample's own blocks, the
     prompt's shared), and at least two of the longest samples."""
     with expanded_kv():

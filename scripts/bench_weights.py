@@ -20,8 +20,10 @@ import platform
 import statistics
 import tempfile
 import time
+from typing import Iterator
 
 import rollout
+from rollout.params import WeightSource
 from trainer_client import RolloutClient
 from workers.engine.tiny_models import build_tiny_model
 from workers.engine.weights import load_source
@@ -29,7 +31,8 @@ from workers.engine.weights import load_source
 MODEL = dict(vocab_size=32000, hidden_size=1024, num_heads=16, num_kv_heads=8, initializer_range=0.02)
 
 
-def time_updates(source, transport: str | None, versions, repeats: int, client: RolloutClient) -> float:
+def time_updates(source: WeightSource, transport: str | None, versions: Iterator[int], repeats: int,
+                 client: RolloutClient) -> float:
     """Median seconds of `repeats` updates; checks that every worker holds each new version."""
     seconds = []
     for _ in range(repeats):

@@ -15,6 +15,7 @@ Usage: python scripts/bench_window.py [--prompts 4] [--n 8] [--new-tokens 1024] 
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 
 import bench_cpu as cpu
@@ -29,7 +30,7 @@ GPT_OSS = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_
 FULL = "engine, every token kept (previous version)"
 
 
-def bench_pressure(path: str, prompts, args) -> list[tuple[str, float, dict]]:
+def bench_pressure(path: str, prompts: list[list[int]], args: argparse.Namespace) -> list[tuple[str, float, dict]]:
     """Both engines in one memory budget, a quarter and a half of the full cache's need (each sample's own
     blocks, the prompt's shared)."""
     probe = dict(model=path, num_blocks=8, max_num_seqs=len(prompts) * args.n, max_model_len=cpu.longest(prompts, args))

@@ -139,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    """Cost every model x workload on the tiny stand-in model and print a row each."""
     args = parse_args()
     torch.set_num_threads(1)
     tiny = build_tiny(tempfile.mkdtemp())

@@ -19,6 +19,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -83,7 +84,7 @@ class CompileOnly:
     def __init__(self, kernel: triton.JITFunction, compiled: dict) -> None:
         self.kernel, self.compiled = kernel, compiled
 
-    def __getitem__(self, grid: tuple):
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
         def launch(*args, **kwargs) -> None:
             compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
             self.compiled.setdefault(compiled.hash, (self.kernel.__name__, compiled))
