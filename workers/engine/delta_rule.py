@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -105,7 +105,7 @@ class InPlace:
         self.function = function
         functools.update_wrapper(self, function)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = next((a for a in (*args, *kwargs.values()) if isinstance(a, SlotState)), None)
         if state is not None:
             return state.decode(self.function, args, kwargs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,8 @@ class ClampedStep:
         self.function = function
         functools.update_wrapper(self, function)
 
-    def __call__(self, state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor, *args,
-                 dt_bias: torch.Tensor | None = None, dt_softplus: bool = False, **kwargs) -> torch.Tensor:
+    def __call__(self, state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor, *args: Any,
+                 dt_bias: torch.Tensor | None = None, dt_softplus: bool = False, **kwargs: Any) -> torch.Tensor:
         limit = _limit.get()
         if limit is None:
             return self.function(state, hidden_states, dt, *args, dt_bias=dt_bias, dt_softplus=dt_softplus, **kwargs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -71,7 +71,7 @@ class SlotView:
         return self._read((layer_idx, "recurrent", state_idx))
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
         """Append new inputs to the window; returns window and inputs, zero-padded on the left to at
         least the window's width, as transformers' cache does."""
         key = (layer_idx, "conv", state_idx)
@@ -89,7 +89,7 @@ class SlotView:
         return conv_kernel_size or conv_states.shape[-1]
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs) -> torch.Tensor:
+                               **kwargs: Any) -> torch.Tensor:
         """Keep the rows' new recurrent states (a `SlotState`: already in their slots)."""
         if not isinstance(recurrent_states, SlotState):
             self.local[(layer_idx, "recurrent", state_idx)] = recurrent_states

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
@@ -28,7 +29,7 @@ def cache_rope_init(model: transformers.PreTrainedModel) -> None:
 
 
 def _cached_init(init: Callable, config: transformers.PretrainedConfig, cached: tuple[torch.Tensor, float],
-                 called_with: transformers.PretrainedConfig, *args, **kwargs) -> tuple[torch.Tensor, float]:
+                 called_with: transformers.PretrainedConfig, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, float]:
     """`cached` for the module's own config and no other argument, else `init`'s result."""
     return cached if called_with is config and not args and not kwargs else init(called_with, *args, **kwargs)
 

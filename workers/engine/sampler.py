@@ -18,7 +18,7 @@ from workers.engine.sequence import Sequence
 _M64 = 0xFFFFFFFFFFFFFFFF
 
 
-def _mix(x):
+def _mix(x: int | np.ndarray) -> int | np.ndarray:
     """splitmix64 finaliser: a bijective scramble of 64-bit counters (Python ints or uint64 arrays)."""
     x = (x + 0x9E3779B97F4A7C15) & _M64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64

@@ -6,6 +6,8 @@ Face model then calls `paged_attention_forward`, which hands its packed q/k/v to
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import AttentionInterface
 
@@ -36,7 +38,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, sliding_window: int | None = None,
                             softcap: float | None = None, s_aux: torch.Tensor | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
     """q `[1, Hq, T, D]`, k/v `[1, Hkv, T, D]` -> `[1, T, Hq, D]`, through the installed backend (a latent
     attention layer's k and v are its latent, workers/engine/latent.py)."""
     unsupported = sorted(k for k, v in kwargs.items()
