@@ -206,9 +206,12 @@ class ModelRunner:
         continues it (prefill kernels that read a state: fla autotunes them apart, 18 s on an H100); without
         decode graphs (which warm their own), the eager decode kernels too."""
         try:
-            self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens, 0, self.num_blocks)))
+            tokens = min(2, self.max_model_len)  # no longer than max_model_len: the rings' table is no wider
+            self.forward(self._send(profile_plan(tokens, 1, self.block_size, self.ring_tokens, 0, self.num_blocks)))
             if self.states is not None:
-                self.forward(self._send(profile_plan(2, 1, self.block_size, self.ring_tokens, 2, self.num_blocks)))
+                context = min(2, self.max_model_len - tokens)
+                self.forward(self._send(profile_plan(tokens, 1, self.block_size, self.ring_tokens, context,
+                                                     self.num_blocks)))
             if not self.decode_graphs:
                 self._warm_decode()
         except NotImplementedError as err:
