@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollout import SamplingParams
-from tests.conftest import hf_greedy, make_engine, run
+from tests.conftest import gib_per_block, hf_greedy, make_engine, run
 
 
 @pytest.mark.parametrize("name, block_size, max_model_len, windowed_kv", [
@@ -23,3 +23,14 @@ def test_an_engine_smaller_than_the_warm_up_step_serves_what_fits(zoo_dir, name,
     rows = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     assert rows[0, 0]["token_ids"] == hf_greedy(path, prompt, 1)
     assert rows[0, 0]["finish_reason"] == "length"
+
+
+def test_an_automatic_cache_of_one_longest_sequence_is_enough(model_dir):
+    """A budget of one block serves max_model_len=17 with blocks of 16: the last token is sampled, never stored
+    (it was refused as fewer than the 2 blocks one sequence needs)."""
+    path = model_dir()
+    engine = make_engine(path, num_blocks=None, kv_cache_memory_gib=1.5 * gib_per_block(path, 16), max_model_len=17)
+    assert engine.pool.num_blocks == 1
+    prompt = list(range(5, 21))
+    rows = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    assert rows[0, 0]["token_ids"] == hf_greedy(path, prompt, 1)

@@ -64,9 +64,9 @@ def kv_budget_bytes(config: EngineConfig, profile_peak: Callable[[], int]) -> in
 
 
 def num_cache_blocks(config: EngineConfig, budget: int, bytes_per_block: int, max_model_len: int) -> int:
-    """Blocks the budget holds, never more than `max_num_seqs` sequences of `max_model_len` need;
-    ValueError when not even one such sequence fits."""
-    per_seq = cdiv(max_model_len, config.block_size)
+    """Blocks the budget holds, never more than `max_num_seqs` sequences of `max_model_len` need (the K/V of
+    all but its last token, which is sampled and never computed); ValueError when not even one such sequence fits."""
+    per_seq = max(1, cdiv(max_model_len - 1, config.block_size))
     blocks = max(0, budget) // bytes_per_block
     if blocks < per_seq:
         raise ValueError(
