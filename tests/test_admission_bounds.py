@@ -34,3 +34,28 @@ def test_an_automatic_cache_of_one_longest_sequence_is_enough(model_dir):
     prompt = list(range(5, 21))
     rows = run(engine, [prompt], SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     assert rows[0, 0]["token_ids"] == hf_greedy(path, prompt, 1)
+
+
+@pytest.mark.parametrize("prefix_caching, cpu_blocks, max_batch_tokens", [
+    (True, 0, 1), (False, 0, 5), (True, 3, 256), (False, 30, 2)])
+def test_requests_that_each_need_the_whole_cache_complete_together(model_dir, prefix_caching, cpu_blocks,
+                                                                   max_batch_tokens):
+    """Three requests that each need exactly the cache's 8 blocks of 3 (a prompt of max_model_len - 1 tokens; n=3
+    samples reaching max_model_len exactly; n=max_num_seqs, forked with a partial last block) are accepted, and
+    together, preempting one another, give a roomy engine's greedy tokens; one block less refuses each."""
+    path = model_dir()
+    greedy = dict(temperature=0, ignore_eos=True)
+    prompts = [list(range(5, 28)), list(range(40, 50)), [7, 8, 9, 10, 11]]
+    params = [SamplingParams(max_new_tokens=5, **greedy), SamplingParams(n=3, max_new_tokens=14, **greedy),
+              SamplingParams(n=4, max_new_tokens=30, **greedy)]
+    config = dict(block_size=3, max_model_len=24, max_num_seqs=4)
+    for prompt, p in zip(prompts, params):
+        with pytest.raises(ValueError, match=r"needs 8 blocks of 3 tokens; the cache has 7 \(num_blocks=7\)"):
+            make_engine(path, num_blocks=7, **config).tokenize([prompt], p)
+    want = run(make_engine(path, **config), prompts, params)
+    engine = make_engine(path, num_blocks=8, enable_prefix_caching=prefix_caching, max_batch_tokens=max_batch_tokens,
+                         cpu_offload_gib=cpu_blocks * gib_per_block(path, 3), **config)
+    got = run(engine, prompts, params)
+    assert {k: list(r["token_ids"]) for k, r in got.items()} == {k: list(r["token_ids"]) for k, r in want.items()}
+    assert [len(got[i, 0]["token_ids"]) for i in range(3)] == [1, 14, 19]
+    assert engine.stats()["recomputes"] + engine.stats()["offloads"] > 0
