@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.quantizers.auto import AutoQuantizationConfig
 
 from rollout.config import EngineConfig
 from workers.engine import memory
@@ -41,12 +42,45 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     _refuse_remote_model_code(hf_config, config.trust_remote_code)
     _logits_only(hf_config)
     max_model_len(config, hf_config.get_text_config(decoder=True))  # a length past the model's, refused here
-    on_cuda = {"device_map": config.device} if config.device.startswith("cuda") else {}
+    options = _dequantized(config, hf_config)
+    if config.device.startswith("cuda"):
+        options["device_map"] = config.device
     with _load_errors(config):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config),
-            attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=config.trust_remote_code, **on_cuda)
+            attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=config.trust_remote_code, **options)
     return model.eval()
+
+
+# Quantized checkpoints that transformers dequantizes on load into plain full-precision modules, on every
+# device (verified in tests/test_model_coverage.py): served and updated as the unquantized model would be.
+DEQUANTIZED_METHODS = ("fp8", "mxfp4")
+
+
+def _dequantized(config: EngineConfig, hf_config: transformers.PretrainedConfig) -> dict[str, Any]:
+    """The `from_pretrained` option that dequantizes a checkpoint of a method in DEQUANTIZED_METHODS on load,
+    whatever the device (transformers would keep FP8 or MXFP4 modules on a GPU that runs them); none for an
+    unquantized one. Any other `quantization_config` is refused before weights load: quantized modules
+    (GPTQ, AWQ, bitsandbytes, compressed-tensors, ...) are not verified exact, and a trainer's full-precision
+    weights cannot be copied into them; an unknown method transformers would skip, loading packed tensors as
+    if they were weights."""
+    quant = getattr(hf_config, "quantization_config", None) or getattr(
+        hf_config.get_text_config(decoder=True), "quantization_config", None)
+    if quant is None:
+        return {}
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = quant.get("quant_method") or ("bitsandbytes" if quant.get("load_in_4bit") or quant.get(
+        "load_in_8bit") else None)
+    if method not in DEQUANTIZED_METHODS:
+        raise ValueError(
+            f"EngineConfig.model={config.model!r} is a quantized checkpoint (quantization_config.quant_method="
+            f"{method!r}), which the rollout engine does not serve: its quantized layers are not verified exact "
+            "against transformers, and a trainer's full-precision weights cannot be copied into them. Serve the "
+            f"unquantized (e.g. bfloat16) checkpoint, or one of quant_method {list(DEQUANTIZED_METHODS)}, which "
+            "the engine dequantizes on load")
+    dequantize = AutoQuantizationConfig.from_dict({**quant, "dequantize": True})
+    dequantize.dequantize = True
+    return {"quantization_config": dequantize}
 
 
 @contextlib.contextmanager
