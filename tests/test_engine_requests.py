@@ -14,7 +14,7 @@ import transformers
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
 from tests.conftest import assert_nothing_leaked, hf_greedy, hf_model, make_engine, random_prompts, run
-from workers.engine import Engine, block_pool
+from workers.engine import Engine, block_pool, pipeline
 
 
 @pytest.fixture(scope="module")
@@ -185,20 +185,22 @@ def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
 
 @pytest.mark.parametrize("async_batching", [False, True])
 @pytest.mark.parametrize("interrupt_at", [1, 3, 10])
-def test_an_interrupted_generate_leaves_nothing_for_the_next(qwen3, monkeypatch, async_batching, interrupt_at):
-    """Ctrl-C (or a failed step) inside `generate` aborts its requests: the next call returns its own rows
-    only, and every block is back."""
+@pytest.mark.parametrize("where", ["step", "wait"])
+def test_an_interrupted_generate_leaves_nothing_for_the_next(qwen3, monkeypatch, async_batching, interrupt_at, where):
+    """Ctrl-C (or a failed step) inside `generate`, between steps or while a step's tokens are awaited,
+    aborts its requests: the next call returns its own rows only, and every block is back."""
     engine = make_engine(qwen3, async_batching=async_batching)
     prompts, params = random_prompts(3, 512, (4, 12), seed=23), SamplingParams(n=2, max_new_tokens=12, ignore_eos=True)
-    step, calls = engine.step, []
+    owner = engine if where == "step" else pipeline.Sampled
+    original, calls = getattr(owner, where), []
 
-    def interrupted_step():
+    def interrupted(*args):
         calls.append(1)
         if len(calls) == interrupt_at:
             raise KeyboardInterrupt
-        return step()
+        return original(*args)
 
-    monkeypatch.setattr(engine, "step", interrupted_step)
+    monkeypatch.setattr(owner, where, interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(prompts, params)
     assert not engine.has_unfinished()

@@ -67,8 +67,14 @@ class InFlight:
 
     def write(self) -> None:
         """Wait for the step's results and write each sequence's token (over its placeholder), logprob and
-        weights version in."""
-        tokens, logprobs = self.sampled.wait()
+        weights version in. A wait that fails (Ctrl-C, a failed step) takes the placeholders back out: the
+        step is lost, and a row built after it (an abort's) must not carry one as a token."""
+        try:
+            tokens, logprobs = self.sampled.wait()
+        except BaseException:
+            for seq in self.seqs:
+                seq.token_ids.pop()
+            raise
         for seq, row in zip(self.seqs, self.rows):
             seq.token_ids[-1] = tokens[row]
             seq.logprobs.append(logprobs[row])
