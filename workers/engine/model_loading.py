@@ -53,7 +53,7 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
 
 
 # Quantized checkpoints that transformers dequantizes on load into plain full-precision modules, on every
-# device (verified in tests/test_model_coverage.py): served and updated as the unquantized model would be.
+# device (verified in tests/test_weights_quantized.py): served and updated as the unquantized model would be.
 DEQUANTIZED_METHODS = ("fp8", "mxfp4")
 
 
