@@ -9,6 +9,7 @@ import pytest
 
 from rollout import SamplingParams
 from tests.conftest import hf_model, make_engine, random_prompts
+from workers.engine import pipeline
 from workers.loop import EngineLoop
 from workers.messages import PromptGroup
 
@@ -103,3 +104,36 @@ def test_rows_that_cannot_be_sent_fail_their_call_and_the_loop_serves_on(model_d
     loop.open("good", [PromptGroup(0, prompt, [0])], params, emit("good")).result()
     assert done["good"].wait(30) and items["good"][-1] is None
     assert len(items["good"][0].to_pylist()[0]["token_ids"]) == 4
+
+
+def test_a_step_whose_tokens_never_arrive_fails_its_calls_and_the_loop_serves_on(model_dir, monkeypatch):
+    """A step that fails while its tokens are awaited (with async batching, inside the next step) fails the
+    open calls; their samples held its placeholders, whose abort rows could not be decoded, so the worker
+    refused every later call though its blocks all came back."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3"), async_batching=True), flush_rows=1, flush_delay_s=0.0)
+    wait, calls = pipeline.Sampled.wait, []
+
+    def failing_wait(sampled: pipeline.Sampled) -> tuple[list[int], list[float]]:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the step failed")
+        return wait(sampled)
+
+    monkeypatch.setattr(pipeline.Sampled, "wait", failing_wait)
+    items: dict[str, list] = {"bad": [], "good": []}
+    done = {name: threading.Event() for name in items}
+
+    def emit(name: str):
+        def receive(item):
+            items[name].append(item)
+            if item is None or isinstance(item, BaseException):
+                done[name].set()
+        return receive
+
+    params = SamplingParams(temperature=0, n=2, max_new_tokens=6, ignore_eos=True)
+    prompt = random_prompts(1, 512, (6, 6), seed=62)[0]
+    for name in items:
+        loop.open(name, [PromptGroup(0, prompt, [0, 1])], params, emit(name)).result()
+        assert done[name].wait(30)
+    assert isinstance(items["bad"][-1], RuntimeError) and items["good"][-1] is None
+    assert sorted(len(row["token_ids"]) for batch in items["good"][:-1] for row in batch.to_pylist()) == [6, 6]
