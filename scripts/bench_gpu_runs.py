@@ -233,7 +233,7 @@ def decode_probe(path: Path, options: dict, args: argparse.Namespace) -> dict:
                           max_num_seqs=seqs, max_batch_tokens=batch, max_model_len=args.decode_context + grow,
                           **args.engine_extra, **options)
     engine, startup, first_call = start_engine(config)
-    need = seqs * -(-(args.decode_context + grow) // BLOCK_SIZE)
+    need = seqs * -(-(args.decode_context + grow - 1) // BLOCK_SIZE)  # a sequence's last token is never stored
     if need > engine.pool.num_blocks:
         return {"status": f"skipped: the probe needs {need} KV blocks, the cache holds {engine.pool.num_blocks}"}
     params = SamplingParams(max_new_tokens=grow, ignore_eos=True, seed=0)
