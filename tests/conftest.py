@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import transformers
+from transformers.quantizers.auto import AutoQuantizationConfig
 
 ON_GPU = torch.cuda.is_available()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel test processes share the cores: one torch thread each
@@ -113,9 +114,17 @@ def assert_nothing_leaked(engine: Engine) -> None:
 
 def hf_model(path: str) -> transformers.PreTrainedModel:
     """The same checkpoint through plain transformers, float32, eager attention: the exact reference
-    (some transformers versions default Gemma2 to sdpa, which drops its logit softcap)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(path, config=model_loading.load_config(path),
-                                                             dtype=torch.float32, attn_implementation="eager").eval()
+    (some transformers versions default Gemma2 to sdpa, which drops its logit softcap). A quantized one is
+    dequantized on load, as README tells a trainer to (transformers 5.17 on torch 2.6 fails to load MXFP4
+    without an accelerator otherwise)."""
+    config = model_loading.load_config(path)
+    quant = getattr(config, "quantization_config", None)
+    options = {}
+    if quant is not None:
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        options["quantization_config"] = AutoQuantizationConfig.from_dict({**quant, "dequantize": True})
+    return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                             attn_implementation="eager", **options).eval()
 
 
 def hf_greedy(path: str, prompt: list[int], new: int = 10) -> list[int]:

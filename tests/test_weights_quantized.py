@@ -81,7 +81,19 @@ def quantized(tmp_path_factory):
     return build
 
 
-@pytest.mark.parametrize("method", sorted(QUANTIZED))
+def _no_accelerator_raises() -> bool:
+    """torch 2.6's `torch.accelerator.current_accelerator()` raises where there is none, and transformers 5.17's
+    MXFP4 loader calls it even to dequantize, so neither the engine nor the reference can load MXFP4 there."""
+    try:
+        torch.accelerator.current_accelerator()
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.skipif(
+    m == "mxfp4" and _no_accelerator_raises(), reason="MXFP4 loads only with an accelerator on this torch"))
+    for m in sorted(QUANTIZED)])
 def test_dequantized_checkpoint_is_exact_and_takes_full_precision_weights(quantized, method):
     """Served as transformers dequantizes it (greedy and logprobs exact); a trainer's full-precision weights
     under the model's names then replace it exactly; the quantized checkpoint itself is refused as an update."""
