@@ -6,6 +6,7 @@ over a torch.distributed group formed once with `WeightSync.open`."""
 from __future__ import annotations
 
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -72,6 +73,7 @@ class WeightSync:
         self.service, self.store, self.group = service, store, group
         self.backend, self.bucket_bytes = backend, bucket_bytes
         self.lock = threading.Lock()  # one update on the group at a time: two threads' buckets would interleave
+        self.broken: BaseException | None = None  # why the group was left (see `_close`)
 
     @classmethod
     def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
@@ -98,13 +100,36 @@ class WeightSync:
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
                               buckets=plan_buckets(tensors, self.bucket_bytes))
         with self.lock, service_calls(self.service):
+            if self.group is None:
+                raise RuntimeError(f"an earlier broadcast update failed part way ({self.broken!r}); call "
+                                   "init_weight_sync() again before a broadcast update")
             get_result(self.service.check_weights.remote(update))
             applied = self.service.update_weights.remote(update)
             device = group_device(self.backend)
             try:
                 for bucket in update.buckets:
                     broadcast(self.group, pack(state_dict, tensors, bucket, device))
-            except Exception:
-                get_result(applied)  # a worker that failed first says why
+            except BaseException as err:  # Ctrl-C too: the workers must not take the next update's buckets
+                self._close(err)
+                err.add_note(f"the broadcast of version {version} stopped part way: {_outcome(applied)}; call "
+                             "init_weight_sync() again before the next broadcast update")
                 raise
             get_result(applied)
+
+    def _close(self, err: BaseException) -> None:
+        """Leave the group after a broadcast failed part way: the workers still waiting for its buckets fail
+        at once (their peer is gone) and keep their weights, rather than take a later update's buckets as the
+        rest of this one, or wait `timeout_s`. Later updates raise until `init_weight_sync()` runs again."""
+        self.broken = err
+        self.group = self.store = None
+        traceback.clear_frames(err.__traceback__)  # a frame of `broadcast` may still hold the group
+
+
+def _outcome(applied: ray.ObjectRef) -> str:
+    """What the service says of an update whose broadcast stopped: the workers' receive fails at once once
+    the trainer has left the group, and they keep their weights."""
+    try:
+        get_result(applied)
+    except Exception as err:  # noqa: BLE001 - reported in the note of the error that stopped the broadcast
+        return f"the service reports {err!r}"
+    return "every worker received it all and holds it"

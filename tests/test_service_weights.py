@@ -207,3 +207,30 @@ def test_killed_worker_is_replaced_with_the_current_weights(client, policies, st
     rollout.update_weights(states[old], version + 1, transport="broadcast")
     assert versions(client) == {version + 1}
     assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError], ids=["ctrl-c", "trainer-error"])
+def test_broadcast_stopped_part_way_changes_nothing(client, policies, states, monkeypatch, stop):
+    """Ctrl-C (or an error) in the trainer before a broadcast's buckets are all sent: the workers waiting for
+    them used to take the next update's buckets as the rest of this one, serving those weights under this
+    version, while the next update waited `timeout_s` for buckets that never came."""
+    old, new = policies
+    rollout.init_weight_sync(timeout_s=20)
+    version = set_weights(old)
+
+    def stopped(*args):
+        raise stop
+    monkeypatch.setattr(rollout.weight_sync, "pack", stopped)
+    with pytest.raises(stop) as err:
+        rollout.update_weights(states[new], version + 1, transport="broadcast")
+    assert "call init_weight_sync() again" in err.value.__notes__[0]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"failed part way .*call init_weight_sync\(\) again"):
+        rollout.update_weights(states[old], version + 2, transport="broadcast")
+    assert versions(client) == {version}
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)
+
+    rollout.init_weight_sync()
+    rollout.update_weights(states[new], version + 3, transport="broadcast")
+    assert versions(client) == {version + 3}
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(new, PROMPT)
