@@ -7,7 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.weight_format import checkpoint_tensors, describe, from_numpy, pack, plan_buckets, to_numpy, unpack
+from workers.weight_format import (
+    check_state_dict,
+    checkpoint_tensors,
+    describe,
+    from_numpy,
+    pack,
+    plan_buckets,
+    to_numpy,
+    unpack,
+)
 
 STATE = {"a": torch.randn(3, 4, dtype=torch.bfloat16), "b": torch.randn(5), "c": torch.arange(6).view(2, 3),
          "d": torch.randn(2, 2, dtype=torch.bfloat16), "e": torch.tensor(1.5, dtype=torch.float16)}
@@ -49,3 +58,9 @@ def test_a_tensor_in_two_files_of_a_checkpoint_is_refused(tmp_path):
     save_file({"b": torch.ones(2)}, tmp_path / "old.safetensors")
     with pytest.raises(ValueError, match="holds 'b' twice, in model-00001.safetensors and old.safetensors"):
         checkpoint_tensors(tmp_path)
+
+
+def test_a_sparse_tensor_is_refused_by_name_before_it_is_sent():
+    state = {"a": torch.zeros(2, 2), "b": torch.eye(2).to_sparse()}
+    with pytest.raises(ValueError, match="'b' is a torch.sparse_coo tensor, not a dense"):
+        check_state_dict(state)

@@ -61,13 +61,17 @@ def test_a_root_never_equals_a_one_token_block_of_older_weights(policies):
     assert run(engine, [tail], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, tail)
 
 
+MIDDLE = "model.layers.1.self_attn.q_proj.weight"  # copy_ refuses a sparse source: the tensors before it were copied
+
+
 @pytest.mark.parametrize("break_it, match", [
     (lambda sd: sd.pop("lm_head.weight"), "missing 'lm_head.weight'"),
     (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected 'extra'"),
     (lambda sd: sd.update({"model.norm.weight": torch.zeros(3)}), r"'model.norm.weight' has shape \(3,\)"),
     (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].half()}), "dtype torch.float16"),
     (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].to("meta")}), "'lm_head.weight' is a meta tensor"),
-], ids=["missing", "unexpected", "shape", "dtype", "meta"])
+    (lambda sd: sd.update({MIDDLE: sd[MIDDLE].to_sparse()}), f"'{MIDDLE}' is a torch.sparse_coo tensor"),
+], ids=["missing", "unexpected", "shape", "dtype", "meta", "sparse-midway"])
 def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
     old, new = policies
     prompt = random_prompts(1, 512, (12, 12), seed=51)[0]

@@ -38,10 +38,23 @@ def check_state_dict(state: object) -> Mapping[str, torch.Tensor]:
     bad = next((name for name, t in state.items() if not isinstance(t, torch.Tensor)), None)
     if bad is not None:
         raise ValueError(f"state dict entry {bad!r} is a {type(state[bad]).__name__}, not a torch.Tensor")
+    odd = next((name for name, t in state.items() if not_plain(t)), None)
+    if odd is not None:
+        raise ValueError(f"state dict entry {odd!r} is {not_plain(state[odd])}")
     empty = next((name for name, t in state.items() if t.is_meta), None)
     if empty is not None:
         raise ValueError(f"state dict entry {empty!r} is a meta tensor: it has no values")
     return state
+
+
+def not_plain(tensor: torch.Tensor) -> str | None:
+    """Why a tensor cannot be copied into a model's parameter as it is (a sparse tensor, or a tensor subclass
+    such as FSDP2's sharded DTensor), or None for a plain dense tensor or parameter."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(tensor).__name__}, not a plain torch.Tensor (gather a DTensor with .full_tensor())"
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor, not a dense (torch.strided) one"
+    return None
 
 
 def describe(state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:

@@ -13,7 +13,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
-from workers.weight_format import refuse_repeated_names
+from workers.weight_format import not_plain, refuse_repeated_names
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
@@ -112,6 +112,8 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
             problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
         elif src.dtype != dst.dtype:
             problems.append(f"{name!r} has dtype {src.dtype}, the model's is {dst.dtype}")
+        elif not_plain(src):  # copy_ would fail part way through the update
+            problems.append(f"{name!r} is {not_plain(src)}")
         elif values and src.is_meta:
             problems.append(f"{name!r} is a meta tensor: it has no values")
     problems += [] if problems else _tied_conflicts(targets, state)
