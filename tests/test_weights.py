@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 from rollout import SamplingParams
 from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
 from workers.engine.weights import load_source
+from workers.weight_format import checkpoint_tensors
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 
@@ -118,6 +120,18 @@ def test_bad_mode_and_source(policies, tmp_path):
     save_file({"model.norm.weight": torch.ones(32) * 7}, tmp_path / "new" / "stale.safetensors")
     with pytest.raises(ValueError, match="holds 'model.norm.weight' twice, in model.safetensors and stale"):
         engine.update_weights(str(tmp_path / "new"), version=1)
+    assert engine.policy_version == 0
+
+
+def test_a_truncated_shard_is_refused_by_name(policies, tmp_path):
+    """A shard cut short (a copy still being written) failed with safetensors' own error, naming no file."""
+    engine = make_engine(policies[0])
+    shutil.copytree(policies[1], tmp_path / "new")
+    shard = tmp_path / "new" / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    for refuse in (checkpoint_tensors, lambda path: engine.update_weights(path, version=1)):
+        with pytest.raises(ValueError, match=f"checkpoint file '{shard}' cannot be read"):
+            refuse(str(tmp_path / "new"))
     assert engine.policy_version == 0
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from workers.messages import TensorMeta
+
+T = TypeVar("T")
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool}
@@ -79,9 +81,18 @@ def checkpoint_tensors(path: str | Path) -> list[TensorMeta]:
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         raise ValueError(f"checkpoint {str(path)!r} is not a directory of *.safetensors files")
-    headers = {file: _header(file) for file in files}
+    headers = {file: read_checkpoint_file(file, _header) for file in files}
     refuse_repeated_names(path, {file: [t.name for t in tensors] for file, tensors in headers.items()})
     return [t for tensors in headers.values() for t in tensors]
+
+
+def read_checkpoint_file(file: Path, read: Callable[[Path], T]) -> T:
+    """`read(file)`; ValueError naming the file when it is not a whole safetensors file (truncated, corrupt)."""
+    try:
+        return read(file)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"weights refused, nothing was changed: checkpoint file {str(file)!r} cannot be read "
+                         f"({err})") from err
 
 
 def _header(file: Path) -> list[TensorMeta]:

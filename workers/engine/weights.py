@@ -13,7 +13,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
-from workers.weight_format import not_plain, refuse_repeated_names
+from workers.weight_format import not_plain, read_checkpoint_file, refuse_repeated_names
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
@@ -24,7 +24,7 @@ def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise ValueError(f"weights source {str(source)!r} is neither a state dict nor a directory of *.safetensors")
-    loaded = {file: load_file(file) for file in files}
+    loaded = {file: read_checkpoint_file(file, load_file) for file in files}
     refuse_repeated_names(source, loaded)
     return {name: tensor for tensors in loaded.values() for name, tensor in tensors.items()}
 
