@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from rollout import SamplingParams
 from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
-from workers.engine.weights import load_source
+from workers.engine import engine as engine_module
+from workers.engine.weights import check_weights, load_source
 from workers.weight_format import checkpoint_tensors
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -198,6 +199,58 @@ def test_mode_finish_drains_on_old_weights(policies):
     rest = finish(engine, rows)
     assert all(rest[(1, s)]["token_ids"] == hf_greedy(new, prompts[1]) for s in range(2))
     assert all(rest[(1, s)]["policy_version"] == 3 for s in range(2))
+
+
+def test_a_finish_drain_stopped_by_ctrl_c_loses_no_row(policies, monkeypatch):
+    """Ctrl-C during a "finish" drain: the samples that ended in it come back from the next step; the
+    weights stay the old ones and the rest of the samples finish on them."""
+    old, new = policies
+    engine = make_engine(old, max_num_seqs=4)
+    prompts = random_prompts(2, 512, (8, 8), seed=55)
+    for i, steps in enumerate([5, 9]):
+        engine.add_request(prompts[i], SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True),
+                           prompt_index=i)
+    rows = {}
+    for _ in range(3):
+        rows.update(((r["prompt_index"], r["sample_index"]), r) for r in engine.step())
+    step, calls = engine.step, []
+
+    def stopped_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", stopped_step)
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(new, version=1, mode="finish")
+    monkeypatch.setattr(engine, "step", step)
+    rows = finish(engine, rows)
+    assert sorted(rows) == [(0, 0), (1, 0)] and engine.policy_version == 0
+    assert [rows[(i, 0)]["token_ids"] for i in range(2)] == [hf_greedy(old, p, n) for p, n in zip(prompts, [5, 9])]
+
+
+def test_weights_copied_through_a_ctrl_c_are_all_copied(policies, monkeypatch):
+    """A Ctrl-C between the copies of an update is raised once every tensor is in, labelled the new version."""
+    old, new = policies
+    engine = make_engine(old)
+    pairs = check_weights(engine.runner.model, load_source(new))
+    dst = pairs[len(pairs) // 2][0]
+    copy, calls = dst.copy_, []
+
+    def interrupted_copy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return copy(*args, **kwargs)
+
+    dst.copy_ = interrupted_copy
+    monkeypatch.setattr(engine_module, "check_weights", lambda model, source: pairs)
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(new, version=4)
+    assert engine.policy_version == 4
+    prompt = random_prompts(1, 512, (8, 8), seed=56)[0]
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, prompt)
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort", "finish"])

@@ -145,16 +145,22 @@ class Engine:
         pairs = check_weights(self.runner.model, load_source(source))
         rows: list[dict] = []
         emit = on_rows or rows.extend
-        self._collect()  # the tokens of the step in flight are the old weights'
-        emit(self._take_ready())
-        self.scheduler.restart_prefills()
-        if mode == "abort":
-            emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
-        elif mode == "finish":
-            self._drain(emit)
-        copy_weights(pairs)
-        self.policy_version = version
-        self.scheduler.roots.weights_changed()
+        try:
+            self._collect()  # the tokens of the step in flight are the old weights'
+            emit(self._take_ready())
+            self.scheduler.restart_prefills()
+            if mode == "abort":
+                emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
+            elif mode == "finish":
+                self._drain(emit)
+        except BaseException:  # Ctrl-C in a drain: the rows of samples ended so far come from the next step
+            self.ready[:0] = rows
+            raise
+        try:
+            copy_weights(pairs)
+        finally:  # a Ctrl-C comes once every tensor is copied: they are this version's
+            self.policy_version = version
+            self.scheduler.roots.weights_changed()
         return rows
 
     def _drain(self, emit: Rows) -> None:

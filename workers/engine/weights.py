@@ -157,8 +157,17 @@ def _storage(tensor: torch.Tensor) -> tuple:
 
 @torch.no_grad()
 def copy_weights(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy in place, so device buffers (and any captured CUDA graphs) stay valid."""
+    """Copy in place, so device buffers (and any captured CUDA graphs) stay valid. A Ctrl-C part way is
+    raised only once every tensor is copied: an engine never keeps a mix of old and new weights."""
+    stopped: KeyboardInterrupt | None = None
     for dst, src in pairs:
-        dst.copy_(src, non_blocking=True)
+        while True:
+            try:
+                dst.copy_(src, non_blocking=True)
+                break
+            except KeyboardInterrupt as err:  # it came before or after this copy: copying again is the same
+                stopped = err
     if pairs and pairs[0][0].is_cuda:
         torch.cuda.synchronize()
+    if stopped is not None:
+        raise stopped
