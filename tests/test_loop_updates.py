@@ -4,6 +4,7 @@ their calls as they end, also while a "finish" update drains. No Ray."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import pytest
 
@@ -77,20 +78,26 @@ def test_the_engine_is_built_on_the_loop_thread_and_its_errors_reach_the_caller(
         EngineLoop(broken, flush_rows=1, flush_delay_s=0.0)
 
 
-def test_rows_that_cannot_be_sent_fail_their_call_and_the_loop_serves_on(model_dir, monkeypatch):
-    """An error outside a step (here building a call's record batch) reaches the open calls at once
-    instead of ending the loop thread (which would leave every call waiting); later calls are served."""
-    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=1, flush_delay_s=0.0)
-    items: dict[str, list] = {"bad": [], "good": []}
-    done = {name: threading.Event() for name in items}
+def receivers(*names: str) -> tuple[dict[str, list], dict[str, threading.Event], Callable]:
+    """Per call name: the items its emit received, an event set at its end (None or an error), and
+    `emit(name)`, the receiver to open the call with."""
+    items: dict[str, list] = {name: [] for name in names}
+    done = {name: threading.Event() for name in names}
 
-    def emit(name: str):
-        def receive(item):
+    def emit(name: str) -> Callable[[object], None]:
+        def receive(item: object) -> None:
             items[name].append(item)
             if item is None or isinstance(item, BaseException):
                 done[name].set()
         return receive
+    return items, done, emit
 
+
+def test_rows_that_cannot_be_sent_fail_their_call_and_the_loop_serves_on(model_dir, monkeypatch):
+    """An error outside a step (here building a call's record batch) reaches the open calls at once
+    instead of ending the loop thread (which would leave every call waiting); later calls are served."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=1, flush_delay_s=0.0)
+    items, done, emit = receivers("bad", "good")
     def unsendable(rows):
         raise TypeError("cannot build the batch")
 
@@ -120,16 +127,7 @@ def test_a_step_whose_tokens_never_arrive_fails_its_calls_and_the_loop_serves_on
         return wait(sampled)
 
     monkeypatch.setattr(pipeline.Sampled, "wait", failing_wait)
-    items: dict[str, list] = {"bad": [], "good": []}
-    done = {name: threading.Event() for name in items}
-
-    def emit(name: str):
-        def receive(item):
-            items[name].append(item)
-            if item is None or isinstance(item, BaseException):
-                done[name].set()
-        return receive
-
+    items, done, emit = receivers("bad", "good")
     params = SamplingParams(temperature=0, n=2, max_new_tokens=6, ignore_eos=True)
     prompt = random_prompts(1, 512, (6, 6), seed=62)[0]
     for name in items:
