@@ -140,6 +140,8 @@ class Scheduler:
 
     def _recompute_rope_switches(self) -> None:
         """Reset (as a preemption) the running sequences whose last token took them past the LongRoPE switch."""
+        if self.roots.rope_switch_length is None:  # every step: not a call per running sequence for other models
+            return
         for seq in [s for s in self.running if self.roots.crossed_switch(s)]:
             self.running.remove(seq)
             seq.num_preemptions += 1
