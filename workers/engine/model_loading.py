@@ -78,9 +78,7 @@ def _dequantized(config: EngineConfig, hf_config: transformers.PretrainedConfig)
             "against transformers, and a trainer's full-precision weights cannot be copied into them. Serve the "
             f"unquantized (e.g. bfloat16) checkpoint, or one of quant_method {list(DEQUANTIZED_METHODS)}, which "
             "the engine dequantizes on load")
-    dequantize = AutoQuantizationConfig.from_dict({**quant, "dequantize": True})
-    dequantize.dequantize = True
-    return {"quantization_config": dequantize}
+    return {"quantization_config": AutoQuantizationConfig.from_dict({**quant, "dequantize": True})}
 
 
 @contextlib.contextmanager
