@@ -221,7 +221,7 @@ def print_workload(model: str, item: str, rows: list[dict], args: argparse.Names
     best = best_engine(rows)
     if best is None or not peers:
         return f"{model} / {item}: >= {TARGET_RATIO:g}x transformers: not measured"
-    ratio = min(best["tokens_per_s"] / v for v in peers.values())
+    ratio = min(best["ratio_vs"].values())
     verdict = "met" if ratio >= TARGET_RATIO else "MISSED"
     cut = any(r.get("cut") for r in rows if r["status"] == "ok")
     return (f"{model} / {item}: {best['system']} >= {TARGET_RATIO:g}x every transformers variant run "
