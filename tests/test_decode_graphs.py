@@ -16,7 +16,7 @@ from rollout import SamplingParams
 from rollout.config import EngineConfig, load_service_config
 from tests.conftest import make_engine, random_prompts, run, simulate_sms
 from tests.model_zoo import build_zoo_model
-from workers.engine import graphs, model_runner
+from workers.engine import graphs, model_runner, warmup
 from workers.engine.graphs import batch_buckets, kv_bucket, kv_buckets
 from workers.engine.pipeline import Sampled
 
@@ -88,7 +88,7 @@ def test_graphs_off_when_the_decode_step_waits_on_the_host(model_dir, monkeypatc
     capture made to find one, as it does on a GPU for tests/test_model_coverage.py's HOST_SYNC families)."""
     def found(runner):
         raise graphs.HostSync("the decode step waits on the host at dbrx/modeling_dbrx.py:433")
-    monkeypatch.setattr(model_runner, "DecodeGraphs", found)
+    monkeypatch.setattr(warmup, "DecodeGraphs", found)
     with pytest.raises(ValueError, match=r"cuda_graphs=\(False, True\): the decode step waits on the host at "
                                          r"dbrx/modeling_dbrx.py:433; use cuda_graphs=\(False, False\) or None"):
         make_engine(model_dir(), cuda_graphs=DECODE_GRAPHS)

@@ -17,7 +17,7 @@ from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, prompt_hash
 from workers.engine.generation_config import eos_token_ids, warn_silent_tokenizer_eos, warn_unapplied_processors
-from workers.engine.model_runner import ModelRunner, startup_phase
+from workers.engine.model_runner import ModelRunner
 from workers.engine.offload import CpuPool
 from workers.engine.pipeline import InFlight, Sampled, live_rows
 from workers.engine.recurrent import without_prefix_caching
@@ -34,6 +34,7 @@ from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Group, Sequence, Status
 from workers.engine.stop_strings import StopStrings, stopped_by_strings
 from workers.engine.tokenizer import load_tokenizer
+from workers.engine.warmup import startup_phase
 from workers.engine.weights import check_weights, copy_weights, load_source
 
 Rows = Callable[[list[dict]], None]

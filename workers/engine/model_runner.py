@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -20,7 +17,7 @@ from workers.engine.attention import AttentionMetadata, set_backend
 from workers.engine.attention.selector import create_backend
 from workers.engine.block_table import BlockTables
 from workers.engine.fused_norm import fuse_norms
-from workers.engine.graphs import DecodeGraphs, HostSync, resolve
+from workers.engine.graphs import DecodeGraphs, resolve
 from workers.engine.kv_cache import KvCache
 from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_loading import load_model
@@ -31,6 +28,7 @@ from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_ba
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
+from workers.engine.warmup import capture_graphs, startup_phase, warm_up
 from workers.engine.window_ring import choose_rings, ring_state_layout, ring_table, ring_views
 
 logger = logging.getLogger(__name__)
@@ -49,16 +47,6 @@ class StepInputs:
     sampling: SamplingBatch
     logits_rows: torch.Tensor | None  # which kept row each sampling row reads, when forks repeat rows
     token_lengths: torch.Tensor | None = None  # per packed token, its sequence's length (per-sequence LongRoPE)
-
-
-@contextmanager
-def startup_phase(times: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
-    """Record the seconds the block takes as `times[name]`, its device work included."""
-    start = time.perf_counter()
-    yield
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times[name] = time.perf_counter() - start
 
 
 class ModelRunner:
@@ -95,10 +83,10 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, self.kv_cache)
         self._install_triton_kernels()
         with startup_phase(self.startup_s, "warm-up", self.device):
-            self._warmup()
+            warm_up(self)
         if self.decode_graphs:
             with startup_phase(self.startup_s, "decode graphs", self.device):
-                self.graphs = self._capture_graphs()
+                self.graphs = capture_graphs(self)
 
     def _install_triton_kernels(self) -> None:
         """Where Triton runs (CUDA, or an attention backend that runs it), linear-attention layers update their
@@ -193,58 +181,21 @@ class ModelRunner:
         cache = self._new_cache(cdiv(num_tokens, self.block_size) + 1)
         torch.cuda.reset_peak_memory_stats(self.device)
         self.backend = create_backend(self.config.attention_backend, cache)
-        inputs = self._send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size, self.ring_tokens))
+        inputs = self.send(profile_plan(num_tokens, self.config.max_num_seqs, self.block_size, self.ring_tokens))
         self.sample(self.forward(inputs), inputs)
         peak = torch.cuda.max_memory_allocated(self.device) - cache.nbytes
         del cache, self.backend
         torch.cuda.empty_cache()
         return peak
 
-    def _warmup(self) -> None:
-        """A two-token step through every layer, so a model our attention can't serve fails at load, and
-        the kernels of prefill steps are compiled before the first; with per-sequence state, a second that
-        continues it (prefill kernels that read a state: fla autotunes them apart, 18 s on an H100); without
-        decode graphs (which warm their own), the eager decode kernels too."""
-        try:
-            tokens = min(2, self.max_model_len)  # no longer than max_model_len: the rings' table is no wider
-            self.forward(self._send(profile_plan(tokens, 1, self.block_size, self.ring_tokens, 0, self.num_blocks)))
-            if self.states is not None:
-                context = min(2, self.max_model_len - tokens)
-                self.forward(self._send(profile_plan(tokens, 1, self.block_size, self.ring_tokens, context,
-                                                     self.num_blocks)))
-            if not self.decode_graphs:
-                self._warm_decode()
-        except NotImplementedError as err:
-            raise ValueError(f"model {self.config.model!r} ({self.model.config.model_type}): {err}") from err
-
-    def _warm_decode(self) -> None:
-        """One-token steps that compile each kernel variant an eager decode step can launch."""
-        decode = self._send(profile_plan(1, 1, self.block_size, self.ring_tokens))
-        for length in self.backend.decode_warmup_lengths(self.max_model_len):
-            decode.meta.max_seqlen_k = length
-            self.forward(decode)
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        """The decode graphs; when the model's decode step waits on the host, which a capture refuses, None
-        (decode steps run eagerly, their kernels warmed) by default, and ValueError if graphs were asked for."""
-        try:
-            return DecodeGraphs(self)
-        except HostSync as err:
-            if self.config.cuda_graphs is not None:
-                raise ValueError(f"EngineConfig.cuda_graphs={self.config.cuda_graphs!r}: {err}; use "
-                                 "cuda_graphs=(False, False) or None") from err
-            logger.warning("decode graphs off: %s", err)
-            self.decode_graphs = False
-            self._warm_decode()
-            return None
-
     def prepare(self, seqs: list[Sequence], num_tokens: list[int], prev: torch.Tensor | None = None) -> StepInputs:
         """The step's inputs on the device, sent in one copy; block-table rows synced first. Placeholder
         tokens take their values from `prev`, the tokens the step before sampled, on the device."""
-        return self._send(plan_step(seqs, num_tokens, self.tables, self.row_params,
+        return self.send(plan_step(seqs, num_tokens, self.tables, self.row_params,
                                     self.rope_switch_length is not None, self.ring_tokens), prev)
 
-    def _send(self, plan: StepPlan, prev: torch.Tensor | None = None) -> StepInputs:
+    def send(self, plan: StepPlan, prev: torch.Tensor | None = None) -> StepInputs:
+        """A step plan's inputs on the device, in one copy; placeholder tokens filled from `prev`."""
         t = self.staging.send(plan.arrays)
         if "fill_at" in t:
             t["ids"].index_copy_(0, t["fill_at"], prev.index_select(0, t["fill_from"]))
