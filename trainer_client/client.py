@@ -7,8 +7,9 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
-from rollout.local_ray import join_cluster, named_actor
+from rollout.local_ray import get_result, join_cluster, named_actor
 from rollout.service_lost import service_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
@@ -26,17 +27,23 @@ class RolloutClient:
     def connect(cls, name: str = "rollout", namespace: str = "rollout", address: str = "auto",
                 timeout_s: float = 60.0) -> "RolloutClient":
         """Join the cluster at `address` as a driver (unless Ray is initialised already) and wait up to
-        `timeout_s` for the service `namespace/name` to exist and finish loading its engines. An explicit
-        address on a token-auth cluster needs RAY_AUTH_MODE=token in the environment."""
+        `timeout_s` for the service `namespace/name` to exist and finish loading its engines, also through a
+        restart of the service (TimeoutError naming it after that; a service that failed to load raises its
+        error). An explicit address on a token-auth cluster needs RAY_AUTH_MODE=token in the environment."""
         if not ray.is_initialized():
             join_cluster(address, namespace)
         deadline = time.monotonic() + timeout_s
-        while (service := named_actor(name, namespace)) is None:
+        while True:
+            service = named_actor(name, namespace)
+            if service is None:
+                problem = f"no rollout service {name!r} in namespace {namespace!r}"
+            elif (state := _wait_ready(service, deadline)) is None:
+                return cls(service)
+            else:
+                problem = f"rollout service {name!r} in namespace {namespace!r} {state}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no rollout service {name!r} in namespace {namespace!r} after {timeout_s} s")
+                raise TimeoutError(f"{problem} after {timeout_s} s")
             time.sleep(0.5)
-        ray.get(service.ready.remote(), timeout=max(deadline - time.monotonic(), 1.0))
-        return cls(service)
 
     def sample(self, prompts: list[str] | list[list[int]], n: int = 8, *, progress: bool = False,
                **sampling: Any) -> RolloutStream:
@@ -59,3 +66,19 @@ class RolloutClient:
         `rollout.init_weight_sync`); later `update_weights(..., transport="broadcast")` calls use it."""
         self.weight_sync = WeightSync.open(self.service, **options)
         return self.weight_sync
+
+
+def _wait_ready(service: ActorHandle, deadline: float) -> str | None:
+    """Wait until `deadline` (1 s at least) for `service` to finish loading its engines: None once it has, else
+    what kept it. The error of a service that failed to load is raised as it was raised there."""
+    ref = service.ready.remote()
+    try:
+        done, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), 1.0))
+        if not done:
+            return "is not ready (its engines are still loading, or it is restarting)"
+        get_result(ref)
+        return None
+    except RayActorError as err:
+        if err.actor_id not in (None, service._actor_id.hex()):
+            raise  # a worker that died while loading: the service's own error
+        return "died or is restarting, and was not back"  # Ray may bring it back under its name
