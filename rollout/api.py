@@ -93,6 +93,8 @@ def init_weight_sync(**options: Any) -> WeightSync:
     later `update_weights(..., transport="broadcast")` calls; returns its `WeightSync` (options: see
     `WeightSync.open`: host, port, backend, bucket_bytes, timeout_s)."""
     global _weight_sync
+    if _weight_sync is not None:
+        _weight_sync.close()
     _weight_sync = WeightSync.open(_running_service(), **options)
     return _weight_sync
 
@@ -109,6 +111,8 @@ def shutdown() -> None:
     `init_weight_sync` raise `RuntimeError` until `init` runs again."""
     global _service, _owns_ray, _weight_sync, _shut_down
     with _lock, calls_refused():
+        if _weight_sync is not None:
+            _weight_sync.close()
         _weight_sync = None
         if _service is not None:
             stop(_service)

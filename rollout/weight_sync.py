@@ -27,7 +27,7 @@ from workers.weight_format import (
     plan_buckets,
     to_numpy,
 )
-from workers.weight_group import broadcast, group_device, host_store, open_group
+from workers.weight_group import broadcast, close_group, group_device, host_store, open_group
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -73,7 +73,7 @@ class WeightSync:
         self.service, self.store, self.group = service, store, group
         self.backend, self.bucket_bytes = backend, bucket_bytes
         self.lock = threading.Lock()  # one update on the group at a time: two threads' buckets would interleave
-        self.broken: BaseException | None = None  # why the group was left (see `_close`)
+        self.closed: str | None = None  # why the group was left, for the error of a later update
 
     @classmethod
     def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
@@ -101,8 +101,7 @@ class WeightSync:
                               buckets=plan_buckets(tensors, self.bucket_bytes))
         with self.lock, service_calls(self.service):
             if self.group is None:
-                raise RuntimeError(f"an earlier broadcast update failed part way ({self.broken!r}); call "
-                                   "init_weight_sync() again before a broadcast update")
+                raise RuntimeError(f"{self.closed}; call init_weight_sync() again before a broadcast update")
             get_result(self.service.check_weights.remote(update))
             applied = self.service.update_weights.remote(update)
             device = group_device(self.backend)
@@ -110,19 +109,27 @@ class WeightSync:
                 for bucket in update.buckets:
                     broadcast(self.group, pack(state_dict, tensors, bucket, device))
             except BaseException as err:  # Ctrl-C too: the workers must not take the next update's buckets
-                self._close(err)
+                self._close(f"an earlier broadcast update failed part way ({err!r})")
+                traceback.clear_frames(err.__traceback__)  # a frame of `broadcast` may still hold the group
                 err.add_note(f"the broadcast of version {version} stopped part way: {_outcome(applied)}; call "
                              "init_weight_sync() again before the next broadcast update")
                 raise
             get_result(applied)
 
-    def _close(self, err: BaseException) -> None:
-        """Leave the group after a broadcast failed part way: the workers still waiting for its buckets fail
-        at once (their peer is gone) and keep their weights, rather than take a later update's buckets as the
-        rest of this one, or wait `timeout_s`. Later updates raise until `init_weight_sync()` runs again."""
-        self.broken = err
+    def close(self) -> None:
+        """Leave the group, freeing its communicators (when `init_weight_sync` forms a new one, or at shutdown);
+        later updates through this object raise."""
+        with self.lock:
+            if self.group is not None:
+                self._close("this broadcast group was closed (by init_weight_sync() or shutdown)")
+
+    def _close(self, why: str) -> None:
+        """Leave the group; later updates raise `why`. After a broadcast failed part way, the workers still
+        waiting for its buckets then fail at once (their peer is gone) and keep their weights, rather than take
+        a later update's buckets as the rest of this one, or wait `timeout_s`."""
+        self.closed = why
+        close_group(self.group)
         self.group = self.store = None
-        traceback.clear_frames(err.__traceback__)  # a frame of `broadcast` may still hold the group
 
 
 def _outcome(applied: ray.ObjectRef) -> str:

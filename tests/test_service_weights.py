@@ -234,3 +234,20 @@ def test_broadcast_stopped_part_way_changes_nothing(client, policies, states, mo
     rollout.update_weights(states[new], version + 3, transport="broadcast")
     assert versions(client) == {version + 3}
     assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(new, PROMPT)
+
+
+def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monkeypatch):
+    """`init_weight_sync` again (after a worker was replaced, say) closes the group it replaces, freeing its
+    communicators (NCCL's hold GPU memory) rather than leaving them to the garbage collector; so does shutdown
+    (tests/test_weight_group.py: the workers' side)."""
+    aborted = []
+    first = rollout.init_weight_sync()
+    group = first.group
+    monkeypatch.setattr(rollout.weight_sync, "close_group", aborted.append)
+    second = rollout.init_weight_sync()
+    assert aborted == [group] and first.group is None
+    with pytest.raises(RuntimeError, match=r"closed \(by init_weight_sync\(\) or shutdown\); call init_weight_sync"):
+        first.update_weights(states[policies[0]], next(_versions), mode="continue")
+    version = next(_versions)
+    second.update_weights(states[policies[1]], version)
+    assert versions(client) == {version}

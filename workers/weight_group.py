@@ -48,6 +48,15 @@ def open_group(store: dist.Store, rank: int, world_size: int, backend: str, host
     raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
 
 
+def close_group(group: dist.ProcessGroup | None) -> None:
+    """Free a group's communicators now rather than whenever it is collected (an NCCL communicator holds GPU
+    memory outside torch's allocator); without waiting for an operation still pending. Nothing for None, or
+    where torch gives the group no `abort` (gloo before torch 2.7)."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
+
+
 def group_device(backend: str) -> torch.device:
     """Where the tensors of a collective must live: the current GPU for NCCL, the CPU for gloo."""
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -15,7 +15,7 @@ from rollout.params import WeightSource
 from workers.loop import EngineLoop
 from workers.messages import TensorMeta, WeightGroup, WeightUpdate
 from workers.weight_format import describe, empty_bucket, from_numpy, meta_state, to_numpy, unpack
-from workers.weight_group import broadcast, group_device, join_store, open_group
+from workers.weight_group import broadcast, close_group, group_device, join_store, open_group
 
 
 class WeightReceiver:
@@ -45,8 +45,9 @@ class WeightReceiver:
         return await asyncio.wrap_future(self.loop.submit(export))
 
     def join(self, group: WeightGroup, rank: int, host: str) -> None:
-        """Join (or join anew) the broadcast group as `rank`, listening on `host`; blocks until every rank
-        has joined, so run it off the event loop."""
+        """Join (or join anew, the old group closed) the broadcast group as `rank`, listening on `host`; blocks
+        until every rank has joined, so run it off the event loop."""
+        close_group(self.group)
         self.group = self.store = None
         self.store = join_store(group.host, group.port, group.timeout_s)
         self.group = open_group(self.store, rank, group.world_size, group.backend, host, group.timeout_s)
