@@ -251,3 +251,8 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
     version = next(_versions)
     second.update_weights(states[policies[1]], version)
     assert versions(client) == {version}
+
+    third = client.init_weight_sync()  # a RolloutClient's group too
+    group = third.group
+    client.init_weight_sync()
+    assert aborted[-1] is group and third.group is None

@@ -64,6 +64,8 @@ class RolloutClient:
     def init_weight_sync(self, **options: Any) -> WeightSync:
         """Form the broadcast group between this process (rank 0) and every worker (see
         `rollout.init_weight_sync`); later `update_weights(..., transport="broadcast")` calls use it."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()  # its communicators are freed now
         self.weight_sync = WeightSync.open(self.service, **options)
         return self.weight_sync
 
