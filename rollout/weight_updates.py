@@ -44,7 +44,11 @@ class WeightUpdates:
         is replaced and its replacement gets this update before it takes work."""
         await self.check(pool, update)
         async with self.lock:
-            await pool.call_all("update_weights", update)
+            try:
+                await pool.call_all("update_weights", update)
+            except Exception as err:
+                err.add_note(await versions_note(pool, update.version))
+                raise
             self.latest = await self._replay_source(pool, update)
 
     async def _replay_source(self, pool: WorkerPool, update: WeightUpdate) -> WeightUpdate:
@@ -117,3 +121,15 @@ class WeightUpdates:
             await asyncio.gather(*(h.join_weight_group.remote(group, rank)
                                    for rank, h in enumerate(workers.values(), start=1)))
             self.group = workers
+
+
+async def versions_note(pool: WorkerPool, version: int) -> str:
+    """Which version each worker holds after an update to `version` failed on some of them (each row's
+    `policy_version` still tells what made it): the trainer may update again or go on knowingly."""
+    try:
+        held = {worker: stats["policy_version"] for worker, stats in sorted((await pool.call_all("stats")).items())}
+    except Exception as err:  # noqa: BLE001 - the note of another error: say why it is missing
+        return f"the workers' versions are unknown ({err!r})"
+    on_new = [worker for worker, held_version in held.items() if held_version == version]
+    return (f"version {version} reached workers {on_new} of {sorted(held)} (versions held: {held}); "
+            "update again to bring every worker to one version")

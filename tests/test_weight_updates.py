@@ -1,0 +1,54 @@
+"""The service's weight updates, with a stand-in worker pool: an update that fails on some workers only says
+which version each worker now holds (each row's policy_version stays true; the trainer must know to update
+again), and the failed update is not kept as the replay source of replacement workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout.config import EngineConfig, ServiceConfig
+from rollout.weight_updates import WeightUpdates
+from workers.messages import WeightUpdate
+
+CONFIG = ServiceConfig(engine=EngineConfig(model="unused", device="cpu"))
+
+
+class Pool:
+    """Two workers on version 1; an update reaches worker 0 and fails on worker 1."""
+
+    def __init__(self, stats_fail: bool = False) -> None:
+        self.workers = {0: "worker-0", 1: "worker-1"}
+        self.versions = {0: 1, 1: 1}
+        self.stats_fail = stats_fail
+
+    async def call_any(self, method: str, *args: object) -> None:
+        return None
+
+    async def call_all(self, method: str, *args: object) -> dict[int, dict]:
+        if method == "update_weights":
+            self.versions[0] = args[0].version
+            raise OSError("worker 1: the checkpoint is not readable")
+        if self.stats_fail:
+            raise TimeoutError("stats")
+        return {worker: {"policy_version": v} for worker, v in self.versions.items()}
+
+
+def update(version: int) -> WeightUpdate:
+    return WeightUpdate(version=version, mode="continue", transport="checkpoint", tensors=[], path="/ckpt")
+
+
+def test_an_update_failed_on_one_worker_names_the_versions_held():
+    updates = WeightUpdates(CONFIG)
+    with pytest.raises(OSError, match="not readable") as err:
+        asyncio.run(updates.apply(Pool(), update(2)))
+    assert err.value.__notes__ == ["version 2 reached workers [0] of [0, 1] (versions held: {0: 2, 1: 1}); "
+                                   "update again to bring every worker to one version"]
+    assert updates.latest is None
+
+
+def test_the_note_says_when_the_versions_are_unknown():
+    with pytest.raises(OSError) as err:
+        asyncio.run(WeightUpdates(CONFIG).apply(Pool(stats_fail=True), update(2)))
+    assert err.value.__notes__ == ["the workers' versions are unknown (TimeoutError('stats'))"]
