@@ -10,7 +10,7 @@ import torch
 from rollout import SamplingParams
 from tests.conftest import DEVICES, gib_per_block, make_engine, random_prompts, run
 from workers.engine.batch import Batch
-from workers.engine.block_pool import BlockPool, hash_block
+from workers.engine.block_pool import BlockKey, BlockPool, block_key
 from workers.engine.block_table import BlockTables
 from workers.engine.kv_cache import KvCache
 from workers.engine.offload import CpuPool
@@ -130,13 +130,13 @@ def test_restore_keeps_the_cached_blocks_it_reuses():
     seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)
     seq.block_table = pool.allocate(3)
     for i in range(3):
-        seq.block_hashes.append(hash_block(seq.block_hashes[-1] if i else 0, tokens[2 * i:2 * i + 2]))
+        seq.block_hashes.append(block_key(seq.block_hashes[-1] if i else 0, tokens[2 * i:2 * i + 2]))
     for i in (1, 2):  # block 0 stays unregistered (another block held its hash when it completed)
-        pool.register(seq.block_table[i], seq.block_hashes[i], seq.block_hashes[i - 1], tokens[2 * i:2 * i + 2])
+        pool.register(seq.block_table[i], seq.block_hashes[i])
     assert offloader.offload(seq, Batch())
     others = pool.allocate(5)
     for i, block in enumerate(others[:2]):
-        pool.register(block, 1000 + i, 0, [i, i])
+        pool.register(block, BlockKey(1000 + i, 0, (i, i)))
     pool.release(others[:2])  # cached after blocks 2 and 1: evicted later
     plan, _ = offloader.plan_restore(seq)
     assert plan == [None, 1, 2] and not pool.free

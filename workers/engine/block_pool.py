@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict, deque
-from typing import Iterable
+from typing import Iterable, NamedTuple, Union
 
 import xxhash
 
@@ -24,8 +24,37 @@ def prompt_hash(token_ids: list[int]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(token_ids)}q", 0, *token_ids))
 
 
-def parent_hash(seq: Sequence, i: int) -> int:
-    """The hash block `i` of `seq` chains from: its previous block's, or the sequence's root."""
+class BlockKey(NamedTuple):
+    """What a complete block holds: its chained hash, the key of the block before it (or, for a first block,
+    the int root of its chain: hash_roots.py) and its tokens. Never hashed or compared as a tuple: the
+    prefix cache finds a block by `hash` and verifies it with `same_prefix`."""
+
+    hash: int
+    parent: Union["BlockKey", int]
+    tokens: tuple[int, ...]
+
+
+def block_key(parent: BlockKey | int, token_ids: list[int]) -> BlockKey:
+    """The key of a block holding `token_ids` after the block keyed `parent` (or first under root `parent`)."""
+    parent_hash = parent.hash if isinstance(parent, BlockKey) else parent
+    return BlockKey(hash_block(parent_hash, token_ids), parent, tuple(token_ids))
+
+
+def same_prefix(a: BlockKey | int, b: BlockKey | int) -> bool:
+    """Whether `a` and `b` are the same tokens after the same root, every block back to it (or to a key they
+    share) compared: a hash collision at any block of the chain is caught. A loop, not a recursion: chains run
+    thousands of blocks deep."""
+    while a is not b:
+        if not (isinstance(a, BlockKey) and isinstance(b, BlockKey)):
+            return a == b
+        if a.hash != b.hash or a.tokens != b.tokens:
+            return False
+        a, b = a.parent, b.parent
+    return True
+
+
+def parent_key(seq: Sequence, i: int) -> BlockKey | int:
+    """The key block `i` of `seq` chains from: its previous block's, or the sequence's root."""
     return seq.block_hashes[i - 1] if i else seq.hash_root
 
 
@@ -37,8 +66,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
-        self.contents: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (parent hash, tokens)
+        self.keys: list[BlockKey | None] = [None] * num_blocks  # of the registered (hashed) blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
@@ -65,10 +93,8 @@ class BlockPool:
         return block
 
     def _unhash(self, block: int) -> None:
-        if self.hash_to_block.get(self.hashes[block]) == block:
-            del self.hash_to_block[self.hashes[block]]
-        self.hashes[block] = None
-        self.contents[block] = None
+        del self.hash_to_block[self.keys[block].hash]
+        self.keys[block] = None
 
     def share(self, block: int) -> None:
         """One more owner of `block` (a forked child, or a prompt that hit the prefix cache)."""
@@ -81,63 +107,63 @@ class BlockPool:
         for block in blocks:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                if self.hashes[block] is None:
+                if self.keys[block] is None:
                     self.free.append(block)
                 else:
                     self.cached[block] = None
 
-    def lookup(self, block_hash: int, parent: int, token_ids: list[int]) -> int | None:
-        """The block holding exactly these tokens after the block hashed `parent`, if the cache has it: a hit
-        is verified against both, so a colliding hash never serves KV computed after another prefix."""
-        block = self.hash_to_block.get(block_hash)
-        if block is None or self.contents[block] != (parent, tuple(token_ids)):
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block holding exactly `key`'s tokens after exactly its prefix, if the cache has it: a hit is
+        verified back to the root, so a colliding hash never serves KV computed after another prefix."""
+        block = self.hash_to_block.get(key.hash)
+        if block is None or not same_prefix(self.keys[block], key):
             return None
         return block
 
-    def register(self, block: int, block_hash: int, parent: int, token_ids: list[int]) -> None:
+    def register(self, block: int, key: BlockKey) -> None:
         """Mark a complete, computed block as reusable by later prompts with the same prefix."""
-        if block_hash in self.hash_to_block or self.hashes[block] is not None:
+        if key.hash in self.hash_to_block or self.keys[block] is not None:
             return
-        self.hashes[block] = block_hash
-        self.contents[block] = (parent, tuple(token_ids))
-        self.hash_to_block[block_hash] = block
+        self.keys[block] = key
+        self.hash_to_block[key.hash] = block
 
     def match_prefix(self, seq: Sequence, root: int) -> int:
         """Share the cached complete blocks that start `seq` (its chain rooted in `root`, the weights
         version); at least one token stays to compute. Returns the number of tokens served."""
-        parent, bs = root, self.block_size
-        for i in range((len(seq.token_ids) - 1) // bs):
-            tokens = seq.block_tokens(i, bs)
-            block_hash = hash_block(parent, tokens)
-            block = self.lookup(block_hash, parent, tokens)
+        parent: BlockKey | int = root
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            block = self.lookup(block_key(parent, seq.block_tokens(i, self.block_size)))
             if block is None:
                 break
             self.share(block)
             seq.block_table.append(block)
-            seq.block_hashes.append(block_hash)
-            parent = block_hash
-        seq.num_computed_tokens = len(seq.block_table) * bs
+            parent = self.keys[block]
+            seq.block_hashes.append(parent)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
     def register_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks `seq` has completed since the last call so later prompts can reuse them."""
+        """Key the blocks `seq` has completed since the last call so later prompts can reuse them. A block
+        whose twin is registered already takes the twin's key, so that chains share keys and verify fast."""
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
-            tokens, parent = seq.block_tokens(i, bs), parent_hash(seq, i)
-            seq.block_hashes.append(hash_block(parent, tokens))
-            self.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
+            key = block_key(parent_key(seq, i), seq.block_tokens(i, bs))
+            twin = self.hash_to_block.get(key.hash)
+            if twin is None:
+                self.register(seq.block_table[i], key)
+            elif same_prefix(self.keys[twin], key):
+                key = self.keys[twin]
+            seq.block_hashes.append(key)
 
     def find(self, seq: Sequence, i: int) -> int | None:
-        """The cached block holding block `i` of `seq` (by its recorded hash), if any."""
-        if i >= len(seq.block_hashes):
-            return None
-        return self.lookup(seq.block_hashes[i], parent_hash(seq, i), seq.block_tokens(i, self.block_size))
+        """The cached block holding block `i` of `seq` (by its recorded key), if any."""
+        return self.lookup(seq.block_hashes[i]) if i < len(seq.block_hashes) else None
 
     def register_found(self, seq: Sequence, i: int, block: int) -> None:
-        """Register `block`, just filled with block `i` of `seq` (a restore), under its recorded hash."""
+        """Register `block`, just filled with block `i` of `seq` (a restore), under its recorded key."""
         if i < len(seq.block_hashes):
-            self.register(block, seq.block_hashes[i], parent_hash(seq, i), seq.block_tokens(i, self.block_size))
+            self.register(block, seq.block_hashes[i])
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash: cached blocks become free, used blocks are never matched again."""
@@ -161,5 +187,6 @@ class BlockPool:
             f"free {len(free)} + cached {len(cached)} + used {used} != total {self.num_blocks}")
         assert owners == self.ref_counts, "refcounts do not match block tables"
         assert all(self.ref_counts[b] == 0 for b in free | cached), "a free or cached block has owners"
-        assert all(self.hashes[b] is not None for b in cached), "a cached block has no hash"
-        assert all(self.hashes[b] == h for h, b in self.hash_to_block.items()), "hash table out of sync"
+        assert all(self.keys[b] is not None for b in cached), "a cached block has no hash"
+        assert all(self.keys[b].hash == h for h, b in self.hash_to_block.items()), "hash table out of sync"
+        assert sum(k is not None for k in self.keys) == len(self.hash_to_block), "a keyed block is not in the table"

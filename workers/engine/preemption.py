@@ -30,7 +30,7 @@ class Offloader:
         """Copy `seq` to the CPU pool and free its device blocks; False when it can't go there."""
         if self.cpu_pool is None or not seq.is_forked or seq.num_uncomputed != 1:
             return False
-        copy = [self.pool.ref_counts[b] == 1 or self.pool.hashes[b] is None for b in seq.block_table]
+        copy = [self.pool.ref_counts[b] == 1 or self.pool.keys[b] is None for b in seq.block_table]
         if sum(copy) > self.cpu_pool.num_free or not self._offload_state(seq, batch):
             return False
         cpu = iter(self.cpu_pool.allocate(sum(copy)))

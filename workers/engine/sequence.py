@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rollout.params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.block_pool import BlockKey
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,7 +71,7 @@ class Sequence:
 
     Before its fork a prompt sequence carries every wanted index in `sample_indices`; each child
     carries one. `num_computed_tokens` tokens have their K/V in the cache; `block_hashes` holds the
-    chained hashes of the complete blocks among them.
+    chained keys (`block_pool.BlockKey`: hash, parent key, tokens) of the complete blocks among them.
     """
 
     group: Group
@@ -76,7 +80,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[BlockKey] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     hash_root: int = 0
