@@ -184,6 +184,29 @@ def test_abort_frees_blocks_and_returns_partial_rows(qwen3):
 
 
 @pytest.mark.parametrize("async_batching", [False, True])
+def test_abort_of_many_requests_at_once(qwen3, async_batching):
+    """`abort(*ids)` ends running and waiting requests in one pass (a closed call's thousands); the others
+    go on, exact, and every block is back."""
+    engine = make_engine(qwen3, max_num_seqs=2, async_batching=async_batching)
+    prompts = random_prompts(5, 512, (6, 14), seed=31)
+    ids = [engine.add_request(p, GREEDY, prompt_index=i) for i, p in enumerate(prompts)]
+    for _ in range(3):
+        engine.step()
+        engine.check_integrity()
+    assert [s.group.request_id for s in engine.scheduler.running] == ids[:2]
+    rows = engine.abort(ids[1], ids[3], ids[4], "unknown")
+    engine.check_integrity()
+    assert sorted(r["prompt_index"] for r in rows) == [1, 3, 4]
+    assert all(r["finish_reason"] == "abort" for r in rows) and len(rows[0]["token_ids"]) == 3
+    rest = []
+    while engine.has_unfinished():
+        rest += engine.step()
+        engine.check_integrity()
+    assert {r["prompt_index"]: r["token_ids"] for r in rest} == {i: hf_greedy(qwen3, prompts[i], 12) for i in (0, 2)}
+    assert_nothing_leaked(engine)
+
+
+@pytest.mark.parametrize("async_batching", [False, True])
 @pytest.mark.parametrize("interrupt_at", [1, 3, 10])
 @pytest.mark.parametrize("where", ["step", "wait"])
 def test_an_interrupted_generate_leaves_nothing_for_the_next(qwen3, monkeypatch, async_batching, interrupt_at, where):

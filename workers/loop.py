@@ -84,17 +84,18 @@ class EngineLoop:
                     group.token_ids, params, request_id=f"{call_id}:{group.prompt_index}",
                     prompt_index=group.prompt_index, sample_indices=group.sample_indices, repeat=group.repeat))
         except Exception:
-            for request_id in added:
-                self.engine.abort(request_id)
+            self.engine.abort(*added)
             raise
         self._calls[call_id] = _Call(emit, added, sum(len(g.sample_indices) for g in groups))
         self._owners.update(dict.fromkeys(added, call_id))
 
     def _close(self, call_id: str) -> None:
         call = self._calls.pop(call_id, None)
-        for request_id in call.request_ids if call else []:
+        if call is None:
+            return
+        for request_id in call.request_ids:
             self._owners.pop(request_id, None)
-            self.engine.abort(request_id)
+        self.engine.abort(*call.request_ids)
 
     def _run(self, make_engine: Callable[[], Any], built: Future) -> None:
         try:

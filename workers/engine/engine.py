@@ -116,20 +116,19 @@ class Engine:
         self.scheduler.add(Sequence(group, indices, list(ids)))
         return request_id
 
-    def abort(self, request_id: str) -> list[dict]:
-        """End every unfinished sample of a request now; returns their rows (finish_reason "abort").
+    def abort(self, *request_ids: str) -> list[dict]:
+        """End every unfinished sample of these requests now; returns their rows (finish_reason "abort").
         The step in flight is collected first: rows of samples it finished come from the next `step`."""
         self._collect()
-        rows = self._abort([s for s in self.scheduler.sequences() if s.group.request_id == request_id])
-        self.groups.pop(request_id, None)
+        ids = set(request_ids)
+        rows = self._abort([s for s in self.scheduler.sequences() if s.group.request_id in ids])
+        for request_id in ids:
+            self.groups.pop(request_id, None)
         return rows
 
     def _abort(self, seqs: list[Sequence]) -> list[dict]:
-        rows = []
-        for seq in seqs:
-            self.scheduler.finish(seq)
-            rows += [self._row(seq, index, "abort") for index in seq.sample_indices]
-        return rows
+        self.scheduler.finish(seqs)
+        return [self._row(seq, index, "abort") for seq in seqs for index in seq.sample_indices]
 
     def update_weights(self, source: WeightSource, version: int, mode: str = "continue",
                        on_rows: Rows | None = None) -> list[dict]:
@@ -226,8 +225,7 @@ class Engine:
             samplers = [seq for seq in samplers if seq.status is not Status.FINISHED]
         seqs = self._fork(samplers)
         flight = InFlight.launched(sampled, self.policy_version, seqs, rows or range(len(seqs)))
-        for seq in [seq for seq in seqs if len(seq.token_ids) >= seq.group.max_length]:
-            self.scheduler.finish(seq)
+        self.scheduler.finish([seq for seq in seqs if len(seq.token_ids) >= seq.group.max_length])
         return flight
 
     def _collect(self) -> bool:
@@ -237,14 +235,15 @@ class Engine:
         if flight is None:
             return False
         flight.write()
-        strings = stopped_by_strings(self.stops, flight.seqs)
+        strings, stopped = stopped_by_strings(self.stops, flight.seqs), []
         for seq in flight.seqs:
             ended = seq.status is Status.FINISHED  # it reached its length at launch
             stop = seq.token_ids[-1] in seq.group.stop_token_ids or id(seq) in strings
             if stop and not ended:
-                self.scheduler.finish(seq)
+                stopped.append(seq)
             if stop or ended:
                 self.ready.append(self._row(seq, seq.sample_indices[0], "stop" if stop else "length"))
+        self.scheduler.finish(stopped)
         return True
 
     def _take_ready(self) -> list[dict]:
@@ -301,8 +300,7 @@ class Engine:
 
     def _forget(self, request_ids: list[str]) -> None:
         """Abort these requests and drop their rows that wait to be handed out."""
-        for request_id in request_ids:
-            self.abort(request_id)
+        self.abort(*request_ids)
         mine = set(request_ids)
         self.ready = [row for row in self.ready if row["request_id"].rsplit("/", 1)[0] not in mine]
 
