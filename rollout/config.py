@@ -21,7 +21,8 @@ T = TypeVar("T")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One engine: the model directory, where it runs, and the sizes of its KV cache and batches.
+    """One engine: the model directory, where it runs (`device`: "cpu", "cuda" or "cuda:N"), and the sizes of its
+    KV cache and batches.
 
     `dtype="auto"` is the checkpoint's 16-bit dtype (or bfloat16) on CUDA and float32 on the CPU.
     The KV cache has `num_blocks` blocks of `block_size` tokens (every layer); None sizes it: on CUDA
@@ -79,6 +80,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         check_types(self)
         _choice("device", self.device.split(":")[0], DEVICES)
+        _check_device_index(self.device)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("windowed_kv", self.windowed_kv, WINDOWED_KV)
@@ -174,6 +176,15 @@ def _check_cuda_graphs(config: EngineConfig) -> None:
         raise ValueError(f"EngineConfig.cuda_graphs={value!r} with attention_backend='torch' on CUDA: the torch "
                          "reference attention syncs with the host and cannot be captured; use attention_backend="
                          "'auto' or 'triton', or cuda_graphs=(False, False)")
+
+
+def _check_device_index(device: str) -> None:
+    """ValueError unless a device index (`cuda:1`) is an integer torch reads: torch refuses `cuda:`, `cuda:-1`,
+    `cuda:01` or `cuda:0:1` only once the engine starts."""
+    _, colon, index = device.partition(":")
+    if colon and not (index.isascii() and index.isdigit() and str(int(index)) == index):
+        raise ValueError(f"EngineConfig.device={device!r}: the index after ':' must be an integer >= 0 "
+                         "without leading zeros, as in 'cuda:1'")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], struct: str = "EngineConfig") -> None:
