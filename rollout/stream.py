@@ -65,11 +65,16 @@ class RolloutStream:
             raise RuntimeError("this stream was already read or cancelled: it delivers its samples once (keep "
                                "the batches, or call to_table() once)")
         self._read = True
+        delivered = 0
         try:
             while (batch := self._next()) is not None:
                 self._bar.update(batch.num_rows)
+                delivered += batch.num_rows
                 yield batch
             self._open = False
+            if delivered != self.total:
+                raise RuntimeError(f"the service ended this call after {delivered} of its {self.total} samples "
+                                   "(a defect of the service: please report it)")
         finally:
             self.cancel()
 
