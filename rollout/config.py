@@ -35,6 +35,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     as Mamba); a longer one is refused at construction. `trust_remote_code` lets transformers run Python
     code shipped with the model (config.json `auto_map`); off by default, as that code runs with the
     worker's rights.
+    `attention_backend`: "torch" (the reference), "triton" (paged kernels; CUDA), "flash_attn" (when installed), or
+    "auto": flash-attn on CUDA where it imports and serves the cache, else Triton; torch on the CPU.
+    `enable_prefix_caching` lets a prompt reuse the complete KV blocks of an earlier one with the same prefix
+    (`stats()["cached_prefix_tokens"]`); it is off for models with per-sequence state (recurrent layers, rings).
     `check_integrity` asserts the block accounting after every step (slow: for tests and soak runs); a
     broken invariant fails the step.
 
