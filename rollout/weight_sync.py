@@ -69,9 +69,9 @@ class WeightSync:
     service (ranks 1..W), formed once by `open`. Each `update_weights` sends the metadata (names, shapes,
     dtypes, bucket layout) in one Ray call per worker and the tensors as flat one-dtype buckets."""
 
-    def __init__(self, service: ActorHandle, store: Any, group: Any, backend: str, bucket_bytes: int) -> None:
+    def __init__(self, service: ActorHandle, store: Any, group: Any, spec: WeightGroup, bucket_bytes: int) -> None:
         self.service, self.store, self.group = service, store, group
-        self.backend, self.bucket_bytes = backend, bucket_bytes
+        self.spec, self.backend, self.bucket_bytes = spec, spec.backend, bucket_bytes
         self.lock = threading.Lock()  # one update on the group at a time: two threads' buckets would interleave
         self.closed: str | None = None  # why the group was left, for the error of a later update
 
@@ -87,10 +87,11 @@ class WeightSync:
             world_size, backend = get_result(service.weight_group_spec.remote(backend))
             host = host or ray.util.get_node_ip_address()
             store = host_store(host, port, timeout_s)
-            joined = service.join_weight_group.remote(WeightGroup(host, store.port, world_size, backend, timeout_s))
+            spec = WeightGroup(host, store.port, world_size, backend, timeout_s)
+            joined = service.join_weight_group.remote(spec)
             group = open_group(store, 0, world_size, backend, host, timeout_s)  # returns once every worker joined
             get_result(joined)
-        return cls(service, store, group, backend, bucket_bytes)
+        return cls(service, store, group, spec, bucket_bytes)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "continue") -> None:
         """Broadcast `state_dict` as policy `version`; returns once every worker holds it. Tensors the engines
@@ -98,7 +99,7 @@ class WeightSync:
         check_update(version, mode)
         tensors = describe(check_state_dict(state_dict))
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
-                              buckets=plan_buckets(tensors, self.bucket_bytes))
+                              buckets=plan_buckets(tensors, self.bucket_bytes), group=self.spec)
         with self.lock, service_calls(self.service):
             if self.group is None:
                 raise RuntimeError(f"{self.closed}; call init_weight_sync() again before a broadcast update")

@@ -30,13 +30,19 @@ class WeightUpdates:
         self.lock = asyncio.Lock()  # held while an update applies, a replay runs, or a group forms
         self.latest: WeightUpdate | None = None
         self.group: dict[int, ActorHandle] = {}  # the workers of the current broadcast group
+        self.current: WeightGroup | None = None  # where that group met
 
     async def check(self, pool: WorkerPool, update: WeightUpdate) -> None:
         """Raise before anything changes: ValueError naming the tensors the engines refuse (missing,
-        unexpected, wrong shape or dtype), RuntimeError if a broadcast group no longer matches the workers."""
+        unexpected, wrong shape or dtype), RuntimeError if a broadcast's group is not the workers' (a later one
+        replaced it) or no longer matches the workers."""
         if update.transport == "broadcast" and self.group != pool.workers:
             raise RuntimeError("the workers changed since init_weight_sync() (one was lost or replaced); "
                                "call init_weight_sync() again before a broadcast update")
+        if update.transport == "broadcast" and update.group != self.current:
+            raise RuntimeError("this broadcast group was replaced by a later init_weight_sync() (of this or another "
+                               "process): the workers left it; update through the newest, or call "
+                               "init_weight_sync() again")
         await pool.call_any("check_weights", update.tensors)
 
     async def apply(self, pool: WorkerPool, update: WeightUpdate) -> None:
@@ -120,7 +126,7 @@ class WeightUpdates:
             workers = dict(sorted(pool.workers.items()))
             await asyncio.gather(*(h.join_weight_group.remote(group, rank)
                                    for rank, h in enumerate(workers.values(), start=1)))
-            self.group = workers
+            self.group, self.current = workers, group
 
 
 async def versions_note(pool: WorkerPool, version: int) -> str:

@@ -256,3 +256,18 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
     group = third.group
     client.init_weight_sync()
     assert aborted[-1] is group and third.group is None
+
+
+def test_a_broadcast_over_a_replaced_group_is_refused_at_once(client, policies, states):
+    """Two groups formed in turn (here by `rollout` and a `RolloutClient` in one process; as well two
+    trainers): the workers are in the newer one only, so a broadcast over the older waited `timeout_s` for
+    buckets sent to a group nobody listened to. It is refused before anything is sent."""
+    older = rollout.init_weight_sync(timeout_s=5)
+    newer = client.init_weight_sync(timeout_s=5)
+    version = set_weights(policies[0])
+    with pytest.raises(RuntimeError, match=r"replaced by a later init_weight_sync\(\)"):
+        older.update_weights(states[policies[1]], version + 1)
+    assert versions(client) == {version}
+    newer.update_weights(states[policies[1]], version + 1)
+    assert versions(client) == {version + 1}
+    assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(policies[1], PROMPT)

@@ -37,25 +37,6 @@ class TensorMeta(msgspec.Struct, frozen=True, array_like=True):
 TRANSPORTS = ("object_store", "checkpoint", "broadcast")
 
 
-class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
-    """One policy update as the service and its workers see it: the new version, what happens to samples
-    already started (`mode`), every tensor's metadata, and where the data comes from (`transport`):
-    `arrays`, an ObjectRef of {name: numpy array} ("object_store"); `path`, a directory of *.safetensors
-    on shared disk ("checkpoint"); or the flat buckets the trainer broadcasts, each a list of indices into
-    `tensors` of one dtype ("broadcast")."""
-
-    version: int
-    mode: str
-    transport: str
-    tensors: list[TensorMeta]
-    arrays: Any = None
-    path: str | None = None
-    buckets: list[list[int]] = []
-
-
-BACKENDS = ("gloo", "nccl")
-
-
 class WeightGroup(msgspec.Struct, frozen=True):
     """Where the broadcast group of a trainer (rank 0) and the workers (ranks 1..world_size-1) meets: the
     trainer's TCP store, the torch.distributed backend ("gloo" or "nccl"), the collectives' timeout."""
@@ -65,3 +46,23 @@ class WeightGroup(msgspec.Struct, frozen=True):
     world_size: int
     backend: str
     timeout_s: float
+
+
+class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """One policy update as the service and its workers see it: the new version, what happens to samples
+    already started (`mode`), every tensor's metadata, and where the data comes from (`transport`):
+    `arrays`, an ObjectRef of {name: numpy array} ("object_store"); `path`, a directory of *.safetensors
+    on shared disk ("checkpoint"); or the flat buckets the trainer broadcasts, each a list of indices into
+    `tensors` of one dtype ("broadcast") over `group`, the group the trainer formed."""
+
+    version: int
+    mode: str
+    transport: str
+    tensors: list[TensorMeta]
+    arrays: Any = None
+    path: str | None = None
+    buckets: list[list[int]] = []
+    group: WeightGroup | None = None
+
+
+BACKENDS = ("gloo", "nccl")
