@@ -9,6 +9,7 @@ import re
 
 import pytest
 import ray
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,6 +69,27 @@ def test_unknown_engine_fields_and_missing_models_are_refused(tmp_path):
         EngineConfig(model=str(tmp_path), bogus=1)
     with refused("Engine", "model directory without config.json", f"EngineConfig.model={str(tmp_path)!r}"):
         make_engine(str(tmp_path))
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_it(model_dir):
+    """A CPU build of torch, or an index past the last GPU: not torch's error from deep inside transformers."""
+    device = f"cuda:{torch.cuda.device_count()}"
+    with refused("Engine", "device not on this machine", f"EngineConfig.device={device!r} is not a device here"):
+        make_engine(model_dir("qwen3"), device=device)
+
+
+def test_generate_needs_an_idle_engine(engine):
+    """The rows of requests added with `add_request` joined `generate`'s table (prompt indices clashing), and
+    their caller never got them."""
+    request_id = engine.add_request([5, 6, 7], SamplingParams(n=2, max_new_tokens=3))
+    before = engine.stats()
+    with refused("Engine", "generate on a busy engine", "generate() needs an idle engine", RuntimeError):
+        engine.generate([[4, 5]], SamplingParams(max_new_tokens=3))
+    assert engine.stats() == before
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step()
+    assert sorted(row["request_id"] for row in rows) == [f"{request_id}/0", f"{request_id}/1"]
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_PROMPTS))

@@ -281,7 +281,11 @@ class Engine:
     # ---- whole calls and introspection ------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
                  use_tqdm: bool = False) -> pa.Table:
-        """Every sample of every prompt, rows ordered by prompt then sample."""
+        """Every sample of every prompt, rows ordered by prompt then sample. It steps the engine until it is
+        idle, so it needs an idle one: rows of requests added with `add_request` would join its table."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine: requests added with add_request() are "
+                               "unfinished, and their rows would be returned as this call's; step() them to the end")
         token_lists = self.tokenize(prompts, params)
         request_ids: list[str] = []
         rows = []

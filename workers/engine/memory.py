@@ -37,6 +37,17 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_device(name: str) -> torch.device:
+    """`EngineConfig.device` as a torch device; ValueError naming it where this process has no such device (a
+    CPU build of torch, no GPU visible, an index past the last GPU) rather than torch's error from deep inside."""
+    device = torch.device(name)
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        why = "this torch is a CPU build" if not torch.backends.cuda.is_built() else f"{count} CUDA devices are visible"
+        raise ValueError(f"EngineConfig.device={name!r} is not a device here: {why}")
+    return device
+
+
 def resolve_dtype(config: EngineConfig, hf_config: transformers.PretrainedConfig) -> torch.dtype:
     """`config.dtype`, where "auto" is the checkpoint's 16-bit dtype (else bfloat16) on CUDA and
     float32 on the CPU."""

@@ -54,7 +54,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = memory.check_device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # streams, events, graph capture and Triton use the current device
         self.startup_s: dict[str, float] = {}
