@@ -298,15 +298,10 @@ class Engine:
                     rows += done
                     bar.update(len(done))
         except BaseException:  # Ctrl-C or a failed step: the next call must not get this one's samples
-            self._forget(request_ids)
+            self.abort(*request_ids)
+            self.ready = []  # the engine was idle: every row waiting is this call's
             raise
         return sort_samples(pa.Table.from_batches([samples_to_batch(rows)]))
-
-    def _forget(self, request_ids: list[str]) -> None:
-        """Abort these requests and drop their rows that wait to be handed out."""
-        self.abort(*request_ids)
-        mine = set(request_ids)
-        self.ready = [row for row in self.ready if row["request_id"].rsplit("/", 1)[0] not in mine]
 
     def stats(self) -> dict[str, int]:
         """Counters since start, the weights version, and the block pools' current state."""
