@@ -3,17 +3,20 @@ kept; the same with async batching and forks; refused, before any work, where no
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rollout import SamplingParams
 from tests.conftest import make_engine, random_prompts, run
 from workers.engine import tokenizer as tokenizer_module
+from workers.engine.rows import sample_row
 from workers.engine.stop_strings import StopStrings
 from workers.engine.tiny_models import _CORPUS, EOS, PAD
 from workers.engine.tokenizer import load_tokenizer
@@ -205,3 +208,52 @@ def test_a_tokenizer_that_fails_to_load_is_named(model_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="workers.engine.tokenizer"):
         assert load_tokenizer(make_engine(str(path)).config) is None
     assert "did not load" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer as Llama 2's tokenizer.json has it: `▁` for spaces, characters out of
+    its vocabulary (here all CJK) as byte tokens `<0xE6>`, decoded by Replace, ByteFallback, Fuse and Strip."""
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    trained.train_from_iterator([_CORPUS], trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"]))
+    vocab, merges = trained.get_vocab(), [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>"])
+    path = tmp_path_factory.mktemp("byte_fallback")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>").save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_text_after_a_prompt_of_byte_tokens_is_the_completions(byte_fallback_tokenizer):
+    """A prompt ending in characters of byte tokens, cut inside one five tokens back: the context starts where
+    its text has no U+FFFD, as vLLM's does; from there the byte-fallback decoder turned the prompt's and the
+    completion's run of byte tokens into U+FFFD, every character of the row's text."""
+    tok = byte_fallback_tokenizer
+    prompt, generated = tok.encode("日本語"), tok.encode("本が好き", add_special_tokens=False)[1:]
+    assert tok.convert_ids_to_tokens(generated[:2]) == ["<0xE6>", "<0x9C>"]
+    group = SimpleNamespace(prompt_token_ids=prompt, request_id="r", prompt_index=0,
+                            params=SimpleNamespace(return_token_versions=False))
+    seq = SimpleNamespace(group=group, token_ids=prompt + generated, num_prompt_tokens=len(prompt),
+                          logprobs=[0.0] * len(generated), versions=[0], num_preemptions=0)
+    assert sample_row(seq, 0, "length", 0, 0, tok)["text"] == "本が好き"
+
+
+def test_a_string_of_byte_token_characters_is_found(byte_fallback_tokenizer):
+    """Characters of byte tokens, read from a tail cut inside one (the decoder turns the whole run into U+FFFD:
+    no tail starts at a continuation byte) or right after a prompt ending in such characters: each string ends
+    its sample at the token completing it, found in one batch of every prefix; both were missed."""
+    tok = byte_fallback_tokenizer
+    prompt = tok.encode("日本語")
+    for text, stop in [("語のテキスト日本語", "日本語"), ("本が好き", "本が"), ("答案结束了。 tail", "。")]:
+        generated = tok.encode(text, add_special_tokens=False)[1:]
+        texts = [tok.decode(prompt + generated[:end], skip_special_tokens=True)[3:]
+                 for end in range(1, len(generated) + 1)]
+        samples = [(prompt + generated[:end], len(prompt)) for end in range(1, len(generated) + 1)]
+        hits = StopStrings(tok).completed(samples, [[stop]] * len(samples))
+        assert hits.index(True) == next(i for i, text in enumerate(texts) if stop in text), stop

@@ -5,7 +5,7 @@ from __future__ import annotations
 import transformers
 
 from workers.engine.sequence import Sequence
-from workers.engine.tokenizer import CONTEXT_TOKENS, decode_after
+from workers.engine.tokenizer import CONTEXT_REACH, decode_after
 
 
 def sample_row(seq: Sequence, sample_index: int, reason: str, worker_id: int, policy_version: int,
@@ -17,7 +17,7 @@ def sample_row(seq: Sequence, sample_index: int, reason: str, worker_id: int, po
     generated = seq.token_ids[seq.num_prompt_tokens:]
     text = None
     if tokenizer is not None:
-        text = decode_after(tokenizer, [group.prompt_token_ids[-CONTEXT_TOKENS:]], [generated])[0]
+        text = decode_after(tokenizer, [group.prompt_token_ids[-CONTEXT_REACH:]], [generated])[0]
     versions = seq.versions or [policy_version]
     return {"request_id": f"{group.request_id}/{sample_index}", "prompt_index": group.prompt_index,
             "sample_index": sample_index, "prompt_token_ids": group.prompt_token_ids,

@@ -8,9 +8,12 @@ only once: its text less the newest token's (decoded alone, at most one characte
 must still hold the longest string, else (tokens of a few bytes of one character, special tokens that
 decode to nothing) the tail is doubled until it does or reaches the first generated token. A tail that
 starts there is read after the prompt's last tokens, as the row's text is (some tokenizers drop the leading
-space of a decode's first word). A special token that decodes to nothing completes no string in the text, so
-a sample whose newest token is one is not decoded at all; it ends its sample when its own text is one of the
-strings (`stop=["<|im_end|>"]`), as `generate(stop_strings=...)` does, although the text leaves it out.
+space of a decode's first word). No tail starts at a byte-fallback token of a UTF-8 continuation byte
+(`<0x80>`..`<0xBF>`: SentencePiece's, in Llama 2, Mistral and Gemma), whose decoder would turn the whole run
+of byte tokens it starts into U+FFFD, hiding a string of such characters (CJK, emoji) there. A special token
+that decodes to nothing completes no string in the text, so a sample whose newest token is one is not decoded
+at all; it ends its sample when its own text is one of the strings (`stop=["<|im_end|>"]`), as
+`generate(stop_strings=...)` does, although the text leaves it out.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from workers.engine.tokenizer import CONTEXT_TOKENS, decode, decode_after
+from workers.engine.tokenizer import CONTEXT_REACH, decode, decode_after
 
 if TYPE_CHECKING:
     from workers.engine import sequence
@@ -31,11 +34,13 @@ _SLACK = 8
 
 class StopStrings:
     """Which samples' newest token completes one of their stop strings, read with one tokenizer (whose special
-    tokens that decode to nothing are found once, here, with their own texts)."""
+    tokens that decode to nothing, and byte tokens that continue a character, are found once, here)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.silent = _silent_tokens(tokenizer)
+        vocab = tokenizer.get_vocab()
+        self.continuing = {vocab[t] for t in (f"<0x{b:02X}>" for b in range(0x80, 0xC0)) if t in vocab}
 
     def completed(self, samples: Sequence[tuple[Sequence[int], int]], stops: Sequence[Sequence[str]]) -> list[bool]:
         """For each sample, `(token ids, index of its first generated one)`, whether its last token completes
@@ -46,7 +51,7 @@ class StopStrings:
                 for (tokens, start), strings in zip(samples, stops)]
         todo = [i for i, (tokens, start) in enumerate(samples) if len(tokens) > start and tokens[-1] not in self.silent]
         while todo:
-            tails = [_tail(*samples[i], widths[i]) for i in todo]
+            tails = [_tail(*samples[i], widths[i], self.continuing) for i in todo]
             contexts = [_context(*samples[i], tail) for i, tail in zip(todo, tails)]
             texts = decode_after(self.tokenizer, contexts + [[]] * len(tails), tails + [tail[-1:] for tail in tails])
             new, newest = texts[:len(tails)], texts[len(tails):]
@@ -92,11 +97,16 @@ def _too_short(chars_before: int, longest: int, width: int, sample: tuple[Sequen
     return chars_before < longest + _SLACK and width < len(tokens) - start
 
 
-def _tail(tokens: Sequence[int], start: int, width: int) -> list[int]:
-    """The last `width` tokens, none of the prompt's."""
-    return list(tokens[max(start, len(tokens) - width):])
+def _tail(tokens: Sequence[int], start: int, width: int, continuing: set[int]) -> list[int]:
+    """The last `width` tokens, none of the prompt's, and up to three more (a character has at most four
+    bytes) while the first is one of `continuing`."""
+    first = max(start, len(tokens) - width)
+    floor = max(start, first - 3)
+    while first > floor and tokens[first] in continuing:
+        first -= 1
+    return list(tokens[first:])
 
 
 def _context(tokens: Sequence[int], start: int, tail: list[int]) -> list[int]:
     """The prompt's last tokens before a tail that starts at the first generated token; none before another."""
-    return list(tokens[max(0, start - CONTEXT_TOKENS):start]) if len(tail) == len(tokens) - start else []
+    return list(tokens[max(0, start - CONTEXT_REACH):start]) if len(tail) == len(tokens) - start else []

@@ -42,8 +42,11 @@ def encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, text: str) ->
     return tokenizer(text, add_special_tokens=add)["input_ids"]
 
 
-# Tokens before a completion that its text is decoded after (vLLM's detokenizer starts from five too).
+# Tokens before a completion that its text is decoded after (vLLM's detokenizer starts from five too), and
+# how many a context may take: a character's bytes span at most four tokens, so one that starts inside a
+# character is clean three tokens earlier.
 CONTEXT_TOKENS = 5
+CONTEXT_REACH = CONTEXT_TOKENS + 3
 
 
 def decode(tokenizer: transformers.PreTrainedTokenizerBase, batch: list[list[int]]) -> list[str]:
@@ -55,17 +58,16 @@ def decode(tokenizer: transformers.PreTrainedTokenizerBase, batch: list[list[int
     return tokenizer.batch_decode(batch, skip_special_tokens=True)
 
 
-def decode_after(tokenizer: transformers.PreTrainedTokenizerBase, contexts: list[list[int]],
+def decode_after(tokenizer: transformers.PreTrainedTokenizerBase, befores: list[list[int]],
                  batch: list[list[int]]) -> list[str]:
-    """The text each of `batch` adds to its context (the tokens before it; none for some), as one decode of
-    the two gives it: a tokenizer that drops the leading space of a decode's first word (Llama 2's, Mistral's)
-    keeps the one a completion starts with. Where the context's own text is not how that decode starts (a
-    character split at the cut), the tokens are decoded alone."""
-    texts = decode(tokenizer, [list(c) + list(b) for c, b in zip(contexts, batch)])
-    having = [i for i, context in enumerate(contexts) if context]
-    heads = decode(tokenizer, [list(contexts[i]) for i in having]) if having else []
+    """The text each of `batch` adds to the tokens before it (`befores`, up to `CONTEXT_REACH` of them; none for
+    some), as one decode of both gives it: a tokenizer that drops the leading space of a decode's first word
+    (Llama 2's, Mistral's) keeps the one a completion starts with. Where the context's own text is not how that
+    decode starts (a character split at the cut), the tokens are decoded alone."""
+    contexts, heads = _contexts(tokenizer, befores)
+    texts = decode(tokenizer, [context + list(b) for context, b in zip(contexts, batch)])
     alone = []
-    for i, head in zip(having, heads):
+    for i, head in heads.items():
         if texts[i].startswith(head):
             texts[i] = texts[i][len(head):]
         else:
@@ -73,3 +75,24 @@ def decode_after(tokenizer: transformers.PreTrainedTokenizerBase, contexts: list
     for i, text in zip(alone, decode(tokenizer, [list(batch[i]) for i in alone]) if alone else []):
         texts[i] = text
     return texts
+
+
+def _contexts(tokenizer: transformers.PreTrainedTokenizerBase,
+              befores: list[list[int]]) -> tuple[list[list[int]], dict[int, str]]:
+    """The last `CONTEXT_TOKENS` of each of `befores`, and the text of each non-empty one, by index; where that
+    text has U+FFFD (a cut inside a character, which a byte-fallback decoder, SentencePiece's in Llama 2, Mistral
+    and Gemma, spreads over the whole run of byte tokens it starts, the completion's too), the shortest of up to
+    `CONTEXT_REACH` tokens whose text has none, as vLLM primes its detokenizer."""
+    contexts = [list(before[-CONTEXT_TOKENS:]) for before in befores]
+    having = [i for i, context in enumerate(contexts) if context]
+    heads = dict(zip(having, decode(tokenizer, [contexts[i] for i in having]) if having else []))
+    redo = [i for i, head in heads.items() if "\ufffd" in head and len(befores[i]) > CONTEXT_TOKENS]
+    sizes = range(CONTEXT_TOKENS + 1, CONTEXT_REACH + 1)
+    wider = [list(befores[i][-size:]) for i in redo for size in sizes]
+    texts = decode(tokenizer, wider) if wider else []
+    for k, i in enumerate(redo):
+        tried = range(k * len(sizes), (k + 1) * len(sizes))
+        clean = next((j for j in tried if "\ufffd" not in texts[j]), None)
+        if clean is not None:
+            contexts[i], heads[i] = wider[clean], texts[clean]
+    return contexts, heads
