@@ -22,6 +22,7 @@ from workers.actor import RolloutWorker
 log = logging.getLogger(__name__)
 _RemoteWorker = ray.remote(RolloutWorker)
 _NAME_RELEASE_S = 60.0  # how long a lost worker's actor name may stay taken after it was killed
+_REPLACE_TRIES = 3  # fresh workers started for one lost worker while each dies before it takes work
 
 # Readies a fresh worker (hands it the latest weights), then calls the second argument to admit it to routing.
 Prepare = Callable[[ActorHandle, Callable[[], None]], Awaitable[None]]
@@ -138,12 +139,22 @@ class WorkerPool:
 
     async def _replace(self, worker: int) -> None:
         """Start a fresh worker under a lost one's id; it takes work once its engine has loaded and `prepare`
-        has handed it the latest weights. A replacement that fails is given up (the slot stays empty)."""
+        has handed it the latest weights. A replacement that dies before that is lost like any worker and
+        started again, `_REPLACE_TRIES` times in all; one that fails otherwise (its engine refused the model,
+        the latest weights are gone) is given up (the slot stays empty)."""
         try:
-            handle = self.starting[worker] = await self._respawn(worker)
-            self.num_blocks[worker] = await handle.ready.remote()  # its engine has loaded
-            await self.prepare(handle, lambda: self._admit(worker))
-            log.warning("worker %d replaced", worker)
+            for attempt in range(1, _REPLACE_TRIES + 1):
+                try:
+                    handle = self.starting[worker] = await self._respawn(worker)
+                    self.num_blocks[worker] = await handle.ready.remote()  # its engine has loaded
+                    await self.prepare(handle, lambda: self._admit(worker))
+                    log.warning("worker %d replaced", worker)
+                    return
+                except RayActorError as err:
+                    if attempt == _REPLACE_TRIES:
+                        raise
+                    log.warning("the replacement of worker %d died (%r); starting another", worker, err)
+                    ray.kill(self.starting.pop(worker), no_restart=True)
         except Exception as err:
             log.error("could not replace worker %d: %r", worker, err)
             if worker in self.starting:

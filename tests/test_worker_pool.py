@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from ray.exceptions import ActorDiedError
+
+from rollout import pool as pool_module
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool
 
@@ -41,3 +44,37 @@ def test_prompts_go_to_workers_whose_cache_is_as_large_as_the_one_that_validated
     assert pool.assign({0: 8, 1: 2}, num_blocks=448) == {2: [0], 0: [1]}
     assert pool.load == {0: 8, 1: 0, 2: 12}
     assert pool.assign({2: 8}, num_blocks=1024) == {1: [2]}
+
+
+def test_a_replacement_that_dies_before_it_takes_work_is_started_again(monkeypatch):
+    """A fresh worker killed while it loads (its node lost, an OOM kill) is a lost worker like any: another is
+    started under its id; the slot was left empty for good (both slots so: every later call failed)."""
+    deaths = [ActorDiedError(), ActorDiedError()]  # the first two replacements die while their engine loads
+
+    async def ready() -> int:
+        if deaths:
+            raise deaths.pop()
+        return 64
+
+    async def alive() -> None:
+        await asyncio.Event().wait()
+
+    async def prepare(handle: SimpleNamespace, admit) -> None:
+        admit()
+
+    async def respawn(worker: int) -> SimpleNamespace:
+        return SimpleNamespace(ready=SimpleNamespace(remote=ready), alive=SimpleNamespace(remote=alive))
+
+    killed: list[SimpleNamespace] = []
+    monkeypatch.setattr(pool_module.ray, "kill", lambda handle, no_restart: killed.append(handle))
+    pool = pool_of({1: 64}, {1: 0}, [])
+    pool.starting, pool.watches, pool.prepare, pool.closed = {}, {}, prepare, False
+    pool._respawn = respawn
+
+    async def lose_and_wait() -> None:
+        pool.lose(1, pool.workers[1], ActorDiedError())
+        await pool.wait_replacements()
+        pool.watches[1].cancel()
+    asyncio.run(lose_and_wait())
+    assert list(pool.workers) == [1] and pool.load == {1: 0} and not pool.starting
+    assert len(killed) == 3  # the lost worker and both dead replacements
