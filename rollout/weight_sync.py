@@ -21,6 +21,7 @@ from workers.messages import TRANSPORTS, WeightGroup, WeightUpdate
 from workers.weight_format import (
     check_bucket_bytes,
     check_state_dict,
+    checkpoint_stamp,
     checkpoint_tensors,
     describe,
     pack,
@@ -58,7 +59,7 @@ def _update(source: WeightSource, version: int, mode: str, transport: str) -> We
             raise ValueError(f"transport='checkpoint' needs a directory path, got {type(source).__name__}")
         path = Path(source).expanduser().resolve()  # workers do not share this process's working directory
         return WeightUpdate(version=version, mode=mode, transport=transport, tensors=checkpoint_tensors(path),
-                            path=str(path))
+                            path=str(path), stamp=checkpoint_stamp(path))
     state = check_state_dict(source)
     return WeightUpdate(version=version, mode=mode, transport=transport, tensors=describe(state),
                         arrays=ray.put(to_numpy(state)))

@@ -4,13 +4,15 @@ killed worker is replaced."""
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 import rollout
-from tests.conftest import random_prompts
+from tests.conftest import hf_greedy, random_prompts
 from trainer_client import RolloutClient
 
 
@@ -54,3 +56,25 @@ def test_killed_worker_samples_are_resent_exactly_once(service):
         time.sleep(0.2)
     again = rollout.sample(prompts[:2], n=2, max_new_tokens=4).to_table()
     assert again.num_rows == 4 and set(again.column("worker_id").to_pylist()) == {0, 1}
+
+
+def test_a_replacement_refuses_a_checkpoint_rewritten_since_its_update(service, model_dir, tmp_path):
+    """A replacement worker loads the latest checkpoint update again: from a directory the trainer had reused
+    since, it served other weights under that update's version (rows labelled alike, tokens not). It refuses
+    the directory (the slot stays empty, logged), so every row of that version comes from its weights."""
+    policy, checkpoint = model_dir("qwen3", seed=1), tmp_path / "checkpoint"
+    shutil.copytree(policy, checkpoint)
+    rollout.update_weights(checkpoint, 7)
+    shutil.copy(Path(service) / "model.safetensors", checkpoint / "model.safetensors")  # the next checkpoint
+    killed = ray.get_actor("rollout-worker-0", namespace="rollout")
+    ray.kill(killed, no_restart=True)
+    pool = ray.get_actor("rollout", namespace="rollout").__ray_call__
+    deadline = time.monotonic() + 60
+    # until the service noticed the loss, then replaced worker 0 or gave up
+    while ray.get(pool.remote(lambda actor: bool(actor.pool.replacing) or actor.pool.workers.get(0) == killed)):
+        assert time.monotonic() < deadline, "worker 0 was neither replaced nor given up"
+        time.sleep(0.2)
+    prompts = random_prompts(4, 512, (6, 12), seed=11)
+    rows = rollout.sample(prompts, n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True).to_table().to_pylist()
+    assert all(r["policy_version"] == 7 for r in rows)
+    assert [r["token_ids"] for r in rows] == [hf_greedy(policy, p, 6) for p in prompts]

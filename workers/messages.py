@@ -53,7 +53,9 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     already started (`mode`), every tensor's metadata, and where the data comes from (`transport`):
     `arrays`, an ObjectRef of {name: numpy array} ("object_store"); `path`, a directory of *.safetensors
     on shared disk ("checkpoint"); or the flat buckets the trainer broadcasts, each a list of indices into
-    `tensors` of one dtype ("broadcast") over `group`, the group the trainer formed."""
+    `tensors` of one dtype ("broadcast") over `group`, the group the trainer formed. A checkpoint's `stamp`
+    (each file's name, size and modification time in ns, when the update was sent) lets a worker that loads it
+    later (a replacement) refuse a directory rewritten since."""
 
     version: int
     mode: str
@@ -63,6 +65,7 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     path: str | None = None
     buckets: list[list[int]] = []
     group: WeightGroup | None = None
+    stamp: list[tuple[str, int, int]] = []
 
 
 BACKENDS = ("gloo", "nccl")

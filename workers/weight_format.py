@@ -86,6 +86,22 @@ def checkpoint_tensors(path: str | Path) -> list[TensorMeta]:
     return [t for tensors in headers.values() for t in tensors]
 
 
+def checkpoint_stamp(path: str | Path) -> list[tuple[str, int, int]]:
+    """Name, size and modification time (ns) of each `*.safetensors` file of a checkpoint directory."""
+    return [(file.name, (stat := file.stat()).st_size, stat.st_mtime_ns)
+            for file in sorted(Path(path).glob("*.safetensors"))]
+
+
+def check_unchanged(path: str, stamp: list[tuple[str, int, int]], version: int) -> None:
+    """ValueError unless the checkpoint's files are as `stamp` (taken when version `version` was sent) has them:
+    a directory rewritten since holds other weights, which would be served as that version."""
+    changed = sorted({name for name, *_ in set(checkpoint_stamp(path)) ^ set(map(tuple, stamp))})
+    if changed:
+        raise ValueError(f"weights refused, nothing was changed: checkpoint {path!r} changed since version {version} "
+                         f"was sent ({', '.join(changed)}); keep a checkpoint directory unchanged until the next "
+                         "update, since a replacement worker loads it again")
+
+
 def read_checkpoint_file(file: Path, read: Callable[[Path], T]) -> T:
     """`read(file)`; ValueError naming the file when it is not a whole safetensors file (truncated, corrupt)."""
     try:

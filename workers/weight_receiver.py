@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rollout.params import WeightSource
 from workers.loop import EngineLoop
 from workers.messages import TensorMeta, WeightGroup, WeightUpdate
-from workers.weight_format import describe, empty_bucket, from_numpy, meta_state, to_numpy, unpack
+from workers.weight_format import check_unchanged, describe, empty_bucket, from_numpy, meta_state, to_numpy, unpack
 from workers.weight_group import broadcast, close_group, group_device, join_store, open_group
 
 
@@ -54,9 +54,11 @@ class WeightReceiver:
         self.device = group_device(group.backend)
 
     async def source(self, update: WeightUpdate) -> WeightSource:
-        """The update's weights: a checkpoint path, tensors over the object-store buffers (no copy), or
-        tensors received from the trainer's broadcast (the event loop keeps serving meanwhile)."""
+        """The update's weights: a checkpoint path (refused if rewritten since the update was sent), tensors
+        over the object-store buffers (no copy), or tensors received from the trainer's broadcast (the event loop
+        keeps serving meanwhile)."""
         if update.transport == "checkpoint":
+            check_unchanged(update.path, update.stamp, update.version)  # a replacement loads it again, later
             return update.path
         if update.transport == "object_store":
             return from_numpy(await update.arrays, update.tensors)
