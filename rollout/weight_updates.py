@@ -50,8 +50,8 @@ class WeightUpdates:
         is replaced and its replacement gets this update before it takes work."""
         await self.check(pool, update)
         async with self.lock:
-            try:
-                await pool.call_all("update_weights", update)
+            try:  # the live update is loaded now; only a later replay checks the checkpoint's stamp
+                await pool.call_all("update_weights", msgspec.structs.replace(update, stamp=[]))
             except Exception as err:
                 err.add_note(await versions_note(pool, update.version))
                 raise

@@ -1,6 +1,7 @@
 """The service's weight updates, with a stand-in worker pool: an update that fails on some workers only says
 which version each worker now holds (each row's policy_version stays true; the trainer must know to update
-again), and the failed update is not kept as the replay source of replacement workers."""
+again), and the failed update is not kept as the replay source of replacement workers; a checkpoint's stamp
+is checked by replays only."""
 
 from __future__ import annotations
 
@@ -18,25 +19,28 @@ CONFIG = ServiceConfig(engine=EngineConfig(model="unused", device="cpu"))
 class Pool:
     """Two workers on version 1; an update reaches worker 0 and fails on worker 1."""
 
-    def __init__(self, stats_fail: bool = False) -> None:
+    def __init__(self, stats_fail: bool = False, fail: bool = True) -> None:
         self.workers = {0: "worker-0", 1: "worker-1"}
         self.versions = {0: 1, 1: 1}
-        self.stats_fail = stats_fail
+        self.stats_fail, self.fail, self.sent = stats_fail, fail, []
 
     async def call_any(self, method: str, *args: object) -> None:
         return None
 
     async def call_all(self, method: str, *args: object) -> dict[int, dict]:
         if method == "update_weights":
+            self.sent.append(args[0])
             self.versions[0] = args[0].version
-            raise OSError("worker 1: the checkpoint is not readable")
+            if self.fail:
+                raise OSError("worker 1: the checkpoint is not readable")
         if self.stats_fail:
             raise TimeoutError("stats")
         return {worker: {"policy_version": v} for worker, v in self.versions.items()}
 
 
-def update(version: int) -> WeightUpdate:
-    return WeightUpdate(version=version, mode="continue", transport="checkpoint", tensors=[], path="/ckpt")
+def update(version: int, stamp: list | None = None) -> WeightUpdate:
+    return WeightUpdate(version=version, mode="continue", transport="checkpoint", tensors=[], path="/ckpt",
+                        stamp=stamp or [])
 
 
 def test_an_update_failed_on_one_worker_names_the_versions_held():
@@ -52,3 +56,12 @@ def test_the_note_says_when_the_versions_are_unknown():
     with pytest.raises(OSError) as err:
         asyncio.run(WeightUpdates(CONFIG).apply(Pool(stats_fail=True), update(2)))
     assert err.value.__notes__ == ["the workers' versions are unknown (TimeoutError('stats'))"]
+
+
+def test_only_a_replay_checks_the_checkpoints_stamp():
+    """Workers load a live checkpoint update at once, unchecked (a shared filesystem may show them stale
+    attributes of a reused directory); the replay kept for replacements carries the stamp they check."""
+    updates, pool, stamp = WeightUpdates(CONFIG), Pool(fail=False), [("model.safetensors", 10, 5)]
+    asyncio.run(updates.apply(pool, update(2, stamp)))
+    assert [sent.stamp for sent in pool.sent] == [[]]
+    assert updates.latest.stamp == stamp and updates.latest.version == 2

@@ -54,8 +54,10 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     `arrays`, an ObjectRef of {name: numpy array} ("object_store"); `path`, a directory of *.safetensors
     on shared disk ("checkpoint"); or the flat buckets the trainer broadcasts, each a list of indices into
     `tensors` of one dtype ("broadcast") over `group`, the group the trainer formed. A checkpoint's `stamp`
-    (each file's name, size and modification time in ns, when the update was sent) lets a worker that loads it
-    later (a replacement) refuse a directory rewritten since."""
+    (each file's name, size and modification time in ns, when the update was sent) is kept for replays only: a
+    worker that loads the directory later (a replacement) refuses it if rewritten since. Live updates skip it:
+    a shared filesystem may show another node's stale attributes of a reused directory for a while (NFS
+    caches them up to a minute), which would refuse a rewrite that is this very update."""
 
     version: int
     mode: str

@@ -58,7 +58,8 @@ class WeightReceiver:
         over the object-store buffers (no copy), or tensors received from the trainer's broadcast (the event loop
         keeps serving meanwhile)."""
         if update.transport == "checkpoint":
-            check_unchanged(update.path, update.stamp, update.version)  # a replacement loads it again, later
+            if update.stamp:  # a replay: a replacement loads the directory again, later
+                check_unchanged(update.path, update.stamp, update.version)
             return update.path
         if update.transport == "object_store":
             return from_numpy(await update.arrays, update.tensors)
