@@ -43,6 +43,7 @@ class WorkerPool:
         self.num_blocks: dict[int, int] = {}  # each worker's KV cache, reported by `ready`
         self.starting: dict[int, ActorHandle] = {}  # replacements not yet admitted to routing
         self.replacing: dict[int, asyncio.Task] = {}
+        self.vacant: set[int] = set()  # slots whose replacement could not take the latest weights
         self.watches: dict[int, asyncio.Task] = {}
         self.stall_watch: asyncio.Task | None = None
         self.closed = False
@@ -140,14 +141,17 @@ class WorkerPool:
     async def _replace(self, worker: int) -> None:
         """Start a fresh worker under a lost one's id; it takes work once its engine has loaded and `prepare`
         has handed it the latest weights. A replacement that dies before that is lost like any worker and
-        started again, `_REPLACE_TRIES` times in all; one that fails otherwise (its engine refused the model,
-        the latest weights are gone) is given up (the slot stays empty)."""
+        started again, `_REPLACE_TRIES` times in all; one that fails otherwise is given up: for good if its
+        engine refused the model, until the next update (`refill`) if it could not take the latest weights
+        (their source gone, a checkpoint rewritten)."""
         try:
             for attempt in range(1, _REPLACE_TRIES + 1):
                 try:
                     handle = self.starting[worker] = await self._respawn(worker)
                     self.num_blocks[worker] = await handle.ready.remote()  # its engine has loaded
+                    self.vacant.add(worker)
                     await self.prepare(handle, lambda: self._admit(worker))
+                    self.vacant.discard(worker)
                     log.warning("worker %d replaced", worker)
                     return
                 except RayActorError as err:
@@ -172,6 +176,13 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+    def refill(self) -> None:
+        """Start replacements again for the slots whose last one could not take the weights then latest: a
+        new update has replaced them."""
+        for worker in sorted(self.vacant - set(self.replacing) if not self.closed else ()):
+            log.warning("replacing worker %d again with the new weights", worker)
+            self.replacing[worker] = asyncio.get_running_loop().create_task(self._replace(worker))
 
     def _admit(self, worker: int) -> None:
         self.workers[worker] = self.starting.pop(worker)

@@ -69,9 +69,11 @@ class RolloutService:
         await self.weights.check(self.pool, update)
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        """Check the update, apply it on every worker; returns once every live worker has its version."""
+        """Check the update, apply it on every worker; returns once every live worker has its version. Slots
+        left empty because their replacement could not take the previous weights are filled again."""
         await self.ready()
         await self.weights.apply(self.pool, update)
+        self.pool.refill()
 
     async def weight_group_spec(self, backend: str | None) -> tuple[int, str]:
         """World size and backend of a new broadcast group (see `init_weight_sync`)."""

@@ -61,7 +61,8 @@ def test_killed_worker_samples_are_resent_exactly_once(service):
 def test_a_replacement_refuses_a_checkpoint_rewritten_since_its_update(service, model_dir, tmp_path):
     """A replacement worker loads the latest checkpoint update again: from a directory the trainer had reused
     since, it served other weights under that update's version (rows labelled alike, tokens not). It refuses
-    the directory (the slot stays empty, logged), so every row of that version comes from its weights."""
+    the directory (the slot stays empty, logged), so every row of that version comes from its weights; the
+    next update fills the slot again."""
     policy, checkpoint = model_dir("qwen3", seed=1), tmp_path / "checkpoint"
     shutil.copytree(policy, checkpoint)
     rollout.update_weights(checkpoint, 7)
@@ -78,3 +79,13 @@ def test_a_replacement_refuses_a_checkpoint_rewritten_since_its_update(service, 
     rows = rollout.sample(prompts, n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True).to_table().to_pylist()
     assert all(r["policy_version"] == 7 for r in rows)
     assert [r["token_ids"] for r in rows] == [hf_greedy(policy, p, 6) for p in prompts]
+
+    rollout.update_weights(checkpoint, 8)  # the next update fills the empty slot again
+    client = RolloutClient.connect(name="rollout", namespace="rollout")
+    while sorted(stats := client.stats()) != [0, 1]:
+        assert time.monotonic() < deadline + 60, "worker 0's slot was not filled again after the next update"
+        time.sleep(0.2)
+    assert {s["policy_version"] for s in stats.values()} == {8}
+    rows = rollout.sample(prompts, n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True).to_table().to_pylist()
+    assert {r["worker_id"] for r in rows} == {0, 1}
+    assert [r["token_ids"] for r in rows] == [hf_greedy(service, p, 6) for p in prompts]

@@ -22,7 +22,7 @@ def pool_of(num_blocks: dict[int, int], load: dict[int, int], calls: list[int]) 
 
     pool = WorkerPool.__new__(WorkerPool)
     pool.workers = {worker: handle(worker) for worker in num_blocks}
-    pool.num_blocks, pool.load, pool.replacing = num_blocks, load, {}
+    pool.num_blocks, pool.load, pool.replacing, pool.vacant = num_blocks, load, {}, set()
     return pool
 
 
