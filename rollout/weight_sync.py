@@ -74,7 +74,8 @@ class WeightSync:
         self.service, self.store, self.group = service, store, group
         self.spec, self.backend, self.bucket_bytes = spec, spec.backend, bucket_bytes
         self.lock = threading.Lock()  # one update on the group at a time: two threads' buckets would interleave
-        self.closed: str | None = None  # why the group was left, for the error of a later update
+        self.leaving = threading.Lock()  # the group is left once, by `close` or by the update that ends after it
+        self.closed: str | None = None  # why the group was (or is being) left, for the error of a later update
 
     @classmethod
     def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
@@ -101,37 +102,45 @@ class WeightSync:
         tensors = describe(check_state_dict(state_dict))
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
                               buckets=plan_buckets(tensors, self.bucket_bytes), group=self.spec)
-        with self.lock, service_calls(self.service):
-            if self.group is None:
-                raise RuntimeError(f"{self.closed}; call init_weight_sync() again before a broadcast update")
-            get_result(self.service.check_weights.remote(update))
-            applied = self.service.update_weights.remote(update)
-            device = group_device(self.backend)
-            try:
-                for bucket in update.buckets:
-                    broadcast(self.group, pack(state_dict, tensors, bucket, device))
-            except BaseException as err:  # Ctrl-C too: the workers must not take the next update's buckets
-                self._close(f"an earlier broadcast update failed part way ({err!r})")
-                traceback.clear_frames(err.__traceback__)  # a frame of `broadcast` may still hold the group
-                err.add_note(f"the broadcast of version {version} stopped part way: {_outcome(applied)}; call "
-                             "init_weight_sync() again before the next broadcast update")
-                raise
-            get_result(applied)
+        try:
+            with self.lock, service_calls(self.service):
+                if self.closed:
+                    raise RuntimeError(f"{self.closed}; call init_weight_sync() again before a broadcast update")
+                get_result(self.service.check_weights.remote(update))
+                applied = self.service.update_weights.remote(update)
+                device = group_device(self.backend)
+                try:
+                    for bucket in update.buckets:
+                        broadcast(self.group, pack(state_dict, tensors, bucket, device))
+                except BaseException as err:  # Ctrl-C too: the workers must not take the next update's buckets
+                    self.closed = f"an earlier broadcast update failed part way ({err!r})"
+                    self._leave()  # before `_outcome`: the workers waiting for buckets fail at once, peer gone
+                    traceback.clear_frames(err.__traceback__)  # a frame of `broadcast` may still hold the group
+                    err.add_note(f"the broadcast of version {version} stopped part way: {_outcome(applied)}; "
+                                 "call init_weight_sync() again before the next broadcast update")
+                    raise
+                get_result(applied)
+        finally:
+            if self.closed:  # `close` ran while this update did: the group is left now that it is done
+                self._leave()
 
     def close(self) -> None:
         """Leave the group, freeing its communicators (when `init_weight_sync` forms a new one, or at shutdown);
-        later updates through this object raise."""
-        with self.lock:
-            if self.group is not None:
-                self._close("this broadcast group was closed (by init_weight_sync() or shutdown)")
+        later updates through this object raise. An update in flight in another thread is not waited for (a
+        "finish" update waits for the samples started before it; shutdown must not): it leaves the group as it
+        ends, and torch cannot abort a group under a gloo broadcast anyway."""
+        self.closed = self.closed or "this broadcast group was closed (by init_weight_sync() or shutdown)"
+        if self.lock.acquire(blocking=False):  # no update in flight, and any later one sees `closed`
+            self.lock.release()
+            self._leave()
 
-    def _close(self, why: str) -> None:
-        """Leave the group; later updates raise `why`. After a broadcast failed part way, the workers still
-        waiting for its buckets then fail at once (their peer is gone) and keep their weights, rather than take
-        a later update's buckets as the rest of this one, or wait `timeout_s`."""
-        self.closed = why
-        close_group(self.group)
-        self.group = self.store = None
+    def _leave(self) -> None:
+        """Free the group's communicators, once. After a broadcast failed part way, the workers still waiting
+        for its buckets then fail at once (their peer is gone) and keep their weights, rather than take a later
+        update's buckets as the rest of this one, or wait `timeout_s`."""
+        with self.leaving:
+            group, self.group, self.store = self.group, None, None
+        close_group(group)
 
 
 def _outcome(applied: ray.ObjectRef) -> str:
