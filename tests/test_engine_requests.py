@@ -194,6 +194,9 @@ def test_abort_of_many_requests_at_once(qwen3, async_batching):
         engine.step()
         engine.check_integrity()
     assert [s.group.request_id for s in engine.scheduler.running] == ids[:2]
+    with pytest.raises(TypeError, match=r"got \[.*unpack a list: abort\(\*ids\)"):
+        engine.abort(ids[1:])
+    assert engine.abort() == []
     rows = engine.abort(ids[1], ids[3], ids[4], "unknown")
     engine.check_integrity()
     assert sorted(r["prompt_index"] for r in rows) == [1, 3, 4]

@@ -119,6 +119,11 @@ class Engine:
     def abort(self, *request_ids: str) -> list[dict]:
         """End every unfinished sample of these requests now; returns their rows (finish_reason "abort").
         The step in flight is collected first: rows of samples it finished come from the next `step`."""
+        if bad := [r for r in request_ids if not isinstance(r, str)]:
+            raise TypeError(f"abort(*request_ids) takes add_request's id strings, got {bad[0]!r}; unpack a list: "
+                            "abort(*ids)")
+        if not request_ids:
+            return []
         self._collect()
         ids = set(request_ids)
         rows = self._abort([s for s in self.scheduler.sequences() if s.group.request_id in ids])
