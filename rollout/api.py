@@ -93,9 +93,7 @@ def init_weight_sync(**options: Any) -> WeightSync:
     later `update_weights(..., transport="broadcast")` calls; returns its `WeightSync` (options: see
     `WeightSync.open`: host, port, backend, bucket_bytes, timeout_s)."""
     global _weight_sync
-    if _weight_sync is not None:
-        _weight_sync.close()
-    _weight_sync = WeightSync.open(_running_service(), **options)
+    _weight_sync = WeightSync.open(_running_service(), replaces=_weight_sync, **options)
     return _weight_sync
 
 

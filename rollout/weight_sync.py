@@ -79,14 +79,18 @@ class WeightSync:
 
     @classmethod
     def open(cls, service: ActorHandle, *, host: str | None = None, port: int = 0, backend: str | None = None,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0) -> WeightSync:
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
+             replaces: WeightSync | None = None) -> WeightSync:
         """Form the group with every live worker of `service`. This process serves the TCP store and listens
         for its peers on `host` (default: this node's Ray address; 127.0.0.1 under an embedded local Ray),
         `port` 0 picks a free port. `backend` defaults to "nccl" for CUDA engines and "gloo" otherwise. A
-        collective that waits longer than `timeout_s` fails."""
+        collective that waits longer than `timeout_s` fails. The group this one `replaces` is closed once the
+        options are accepted (a refused one leaves it working), before this one takes its port."""
         check_bucket_bytes(bucket_bytes)
         with service_calls(service):
             world_size, backend = get_result(service.weight_group_spec.remote(backend))
+            if replaces is not None:
+                replaces.close()
             host = host or ray.util.get_node_ip_address()
             store = host_store(host, port, timeout_s)
             spec = WeightGroup(host, store.port, world_size, backend, timeout_s)

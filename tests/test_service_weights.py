@@ -239,7 +239,7 @@ def test_broadcast_stopped_part_way_changes_nothing(client, policies, states, mo
 def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monkeypatch):
     """`init_weight_sync` again (after a worker was replaced, say) closes the group it replaces, freeing its
     communicators (NCCL's hold GPU memory) rather than leaving them to the garbage collector; so does shutdown
-    (tests/test_weight_group.py: the workers' side)."""
+    (tests/test_weight_group.py: the workers' side). One whose options are refused leaves it working."""
     aborted = []
     first = rollout.init_weight_sync()
     group = first.group
@@ -248,6 +248,9 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
     assert aborted == [group] and first.group is None
     with pytest.raises(RuntimeError, match=r"closed \(by init_weight_sync\(\) or shutdown\); call init_weight_sync"):
         first.update_weights(states[policies[0]], next(_versions), mode="continue")
+    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA engines"):
+        rollout.init_weight_sync(backend="nccl")  # refused: the group it would replace goes on
+    assert second.group is not None and [g for g in aborted if g is not None] == [group]
     version = next(_versions)
     second.update_weights(states[policies[1]], version)
     assert versions(client) == {version}

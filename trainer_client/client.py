@@ -64,9 +64,7 @@ class RolloutClient:
     def init_weight_sync(self, **options: Any) -> WeightSync:
         """Form the broadcast group between this process (rank 0) and every worker (see
         `rollout.init_weight_sync`); later `update_weights(..., transport="broadcast")` calls use it."""
-        if self.weight_sync is not None:
-            self.weight_sync.close()  # its communicators are freed now
-        self.weight_sync = WeightSync.open(self.service, **options)
+        self.weight_sync = WeightSync.open(self.service, replaces=self.weight_sync, **options)
         return self.weight_sync
 
 
