@@ -54,9 +54,9 @@ class WeightReceiver:
         self.device = group_device(group.backend)
 
     async def source(self, update: WeightUpdate) -> WeightSource:
-        """The update's weights: a checkpoint path (refused if rewritten since the update was sent), tensors
-        over the object-store buffers (no copy), or tensors received from the trainer's broadcast (the event loop
-        keeps serving meanwhile)."""
+        """The update's weights: a checkpoint path (a replay's refused if rewritten since the update was sent),
+        tensors over the object-store buffers (no copy), or tensors received from the trainer's broadcast (the
+        event loop keeps serving meanwhile)."""
         if update.transport == "checkpoint":
             if update.stamp:  # a replay: a replacement loads the directory again, later
                 check_unchanged(update.path, update.stamp, update.version)
