@@ -137,16 +137,31 @@ def stub_engine(path: str, groups: list[tuple[int, int]], new_tokens: int, stop:
     seqs = sum(n for _, n in groups)
     longest = max(length for length, _ in groups) + new_tokens + 40
     engine = Engine(engine_config(path, max_model_len=longest, max_num_seqs=seqs))
-    logits = torch.randn(1, seqs, engine.vocab_size)
-    engine.runner.model.forward = lambda *args, logits_to_keep, **kw: SimpleNamespace(
-        logits=logits[:, : len(logits_to_keep)])
-    engine.runner.backend.prepare_metadata = lambda meta: None  # the attention's own work
+    stub_forward(engine, seqs)
     for length, n in groups:
         engine.add_request([2 + i % 4000 for i in range(length)],
                            SamplingParams(n=n, max_new_tokens=new_tokens + 20, ignore_eos=True, stop=list(stop)))
+    step_until_decoding(engine, seqs)
+    return engine
+
+
+def stub_forward(engine: Engine, rows: int) -> None:
+    """Replace the model's forward by fixed random logits (up to `rows` kept rows) and skip the attention's
+    metadata, so that a step is the engine's host work (and the sampler's)."""
+    logits = torch.randn(1, rows, engine.vocab_size)
+
+    def forward(*args: Any, input_ids: torch.Tensor, logits_to_keep: Any, **kwargs: Any) -> SimpleNamespace:
+        kept = input_ids.shape[1] if isinstance(logits_to_keep, int) else len(logits_to_keep)  # int: the graphs'
+        return SimpleNamespace(logits=logits[:, :kept])
+
+    engine.runner.model.forward = forward
+    engine.runner.backend.prepare_metadata = lambda meta: None  # the attention's own work
+
+
+def step_until_decoding(engine: Engine, seqs: int) -> None:
+    """Step until `seqs` samples run and each has generated two tokens (every prompt prefilled and forked)."""
     while len(engine.scheduler.running) < seqs or any(s.num_generated < 2 for s in engine.scheduler.running):
         engine.step()
-    return engine
 
 
 def bench_step_overhead(path: str, cases: dict[str, list[tuple[int, int]]], blocks: int = 5,

@@ -20,10 +20,10 @@ import statistics
 import tempfile
 import time
 import timeit
-from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
+from bench_cpu import step_until_decoding, stub_forward
 
 from rollout import SamplingParams, schema
 from workers.engine import Engine, EngineConfig, engine, graphs, model_runner, scheduler, staging
@@ -73,19 +73,11 @@ def stub_engine(path: str, seqs: int, new_tokens: int, case: dict[str, Any]) -> 
     length = PROMPT_TOKENS + new_tokens + 8
     eng = Engine(EngineConfig(model=path, num_blocks=seqs * (length // 16 + 2) + 64, max_batch_tokens=4096,
                               max_num_seqs=seqs, max_model_len=length + 16, **config))
-    logits = torch.randn(1, seqs, eng.vocab_size)
-
-    def forward(*args: Any, input_ids: torch.Tensor, logits_to_keep: Any, **kwargs: Any) -> SimpleNamespace:
-        rows = input_ids.shape[1] if isinstance(logits_to_keep, int) else len(logits_to_keep)
-        return SimpleNamespace(logits=logits[:, :rows])
-
-    eng.runner.model.forward = forward
-    eng.runner.backend.prepare_metadata = lambda meta: None
+    stub_forward(eng, seqs)
     for p in range(seqs // 8):
         eng.add_request([2 + (i * 7 + p) % 400 for i in range(PROMPT_TOKENS)],
                         SamplingParams(n=8, max_new_tokens=new_tokens, ignore_eos=True, stop=stop, seed=p))
-    while len(eng.scheduler.running) < seqs or any(s.num_generated < 2 for s in eng.scheduler.running):
-        eng.step()
+    step_until_decoding(eng, seqs)
     return eng
 
 
