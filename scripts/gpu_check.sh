@@ -45,7 +45,14 @@
 #   benches and bench_attention together 322 s; earlier on an H100: test_fla 151 s (TF32), the graph tests of
 #   all 90 families about 150 s; on an H200 (eighth): the engine tests 177 s, then test_fla in IEEE float32 cut
 #   at 214 s inside its first GPU test, fla autotuning.
-#   Eight log files, the most a device call brings back.
+#   Seven log files (bench_delta_rule's and bench_norm's in bench_kernels.log) and autotune.tgz: eight files, the
+#   most a device call brings back.
+# Autotuning (fla's kernels: 201 s of test_fla's first GPU test on an H200 in the ninth session) is paid once: Triton
+# keeps each kernel's tuning results in its cache (fla asks it to), gpu_check seeds that cache from
+# scripts/gpu_autotune/ and brings back every result in $OUT/autotune.tgz, which the next commit unpacks there:
+#   tar xzf <files_at>/autotune.tgz -C scripts/gpu_autotune
+# The results are keyed by Triton's version, the target (sm_90: the H100 and the H200 share them), the kernel's
+# source and the tuning key, so stale ones are never used, only left unread.
 # Logs go to $OUT (default /tmp/gpu_check). The device image lacks msgspec (and flash-linear-attention,
 # whose kernels transformers runs for Gated DeltaNet layers): fill the ignored folder .whl/ first and
 # carry it with the device call:
@@ -58,6 +65,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+cp -r scripts/gpu_autotune/. "$TRITON_CACHE_DIR"
 install() {  # install <folder> <wheel>...: into <folder>, printed for PYTHONPATH when there was a wheel
     local target=$1; shift
     [ $# = 0 ] && return
@@ -115,10 +125,10 @@ fla_rc=$?
 # Qwen3.5's Gated DeltaNet decode: the in-place kernel against transformers' rule (fla's, from /tmp/site-fla)
 # shellcheck disable=SC2086  # BENCH_DELTA_ARGS is a list of options
 PYTHONPATH=$PYTHONPATH$fla timed python3 scripts/bench_delta_rule.py ${BENCH_DELTA_ARGS:-} 2>&1 |
-    tee "$OUT/bench_delta_rule.log"
+    tee "$OUT/bench_kernels.log"
 delta_rc=${PIPESTATUS[0]}
 # the norms of a decode step, transformers' modules against the fused kernel (about 20 s)
-timed python3 scripts/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log"
+timed python3 scripts/bench_norm.py 2>&1 | tee -a "$OUT/bench_kernels.log"
 norm_rc=${PIPESTATUS[0]}
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
@@ -146,6 +156,8 @@ attention_rc=${PIPESTATUS[0]}
 timed_pytest coverage.log "$PYTHONPATH" tests/test_model_coverage.py::test_accepted_model_is_exact_through_decode_graphs \
     tests/test_model_coverage.py::test_moe_decode_graphs_are_exact_in_bfloat16
 coverage_rc=$?
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/autotune.tgz" --null -T -)
+echo "autotune results: $(tar tzf "$OUT/autotune.tgz" | wc -l) in $OUT/autotune.tgz"
 echo "pytest exit $tests_rc, test_fla exit $fla_rc, bench_delta_rule exit $delta_rc, bench_norm exit $norm_rc," \
     "bench_gpu exit $gpu_rc, bench_attention exit $attention_rc, coverage exit $coverage_rc (124: stopped at" \
     "GPU_CHECK_TOTAL_S)"

@@ -11,15 +11,18 @@ fla changes transformers for the whole process, so the rest of the suite runs wi
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import sys
 
 import pytest
+import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from tests.conftest import ON_GPU, make_engine
+from tests.conftest import ON_GPU, hf_model, make_engine
 from tests.model_zoo import build_zoo_model
-from tests.test_model_coverage import assert_exact
-from tests.test_recurrent import assert_every_sample_exact
+from tests.test_model_coverage import assert_exact, prompts_of
+from tests.test_recurrent import LENGTHS, assert_every_sample_exact
 from workers.engine import model_loading
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -106,6 +109,43 @@ def test_with_fla_installed(zoo_dir, name):
     else:
         with pytest.raises(ValueError, match="cannot run on the CPU here: flash-linear-attention"):
             make_engine(zoo_dir(name))
+
+
+def _logprobs(model, ids: torch.Tensor, piece: int) -> torch.Tensor:
+    """Each position's logprobs with `ids` fed `piece` tokens a call through the model's cache."""
+    cache, out = None, []
+    for start in range(0, ids.shape[1], piece):
+        result = model(ids[:, start:start + piece], past_key_values=cache, use_cache=True)
+        cache = result.past_key_values
+        out.append(torch.log_softmax(result.logits[0].double(), -1))
+    return torch.cat(out)
+
+
+def _torch_rules(model) -> dict:
+    """The model's module functions that route to fla, each replaced by transformers' PyTorch reference."""
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    return {name: inspect.unwrap(value) for name, value in vars(module).items()
+            if callable(value) and getattr(value, "__wrapped__", None) is not None and "delta" in name}
+
+
+@pytest.mark.skipif(HAS_FLA and not ON_GPU, reason="fla's kernels need a GPU")
+@pytest.mark.parametrize("name", list(FLA_FAMILIES))
+def test_the_model_alone_gives_one_answer_fed_whole_or_in_pieces(tmp_path, monkeypatch, name):
+    """What the engine test below takes for granted, on transformers' model alone (fla's kernels on the card,
+    IEEE float32, where fla is installed; its PyTorch reference elsewhere): a prompt fed whole and fed 16
+    tokens a call through its cache, as the engine prefills, give each position the same logprobs, and where
+    fla runs, so does the PyTorch reference. A failure here is the model code's or fla's, not the engine's."""
+    device = "cuda" if ON_GPU else "cpu"
+    model = hf_model(build_zoo_model(name, tmp_path, **FLA_FAMILIES[name])).to(device)
+    ids = torch.tensor([prompts_of(LENGTHS)[LENGTHS.index(40)]], device=device)
+    with torch.no_grad():
+        whole = _logprobs(model, ids, ids.shape[1])
+        pieces = _logprobs(model, ids, 16)
+        for function, reference in _torch_rules(model).items():
+            monkeypatch.setattr(sys.modules[type(model.model.layers[0]).__module__], function, reference)
+        reference = _logprobs(model, ids, ids.shape[1])
+    assert (pieces - whole).abs().max().item() < 1e-4, "fed in pieces"
+    assert (reference - whole).abs().max().item() < 1e-4, "the PyTorch reference"
 
 
 @pytest.mark.skipif(not (HAS_FLA and ON_GPU), reason="needs flash-linear-attention and a CUDA GPU")
