@@ -3,7 +3,8 @@
 #   - pytest of the engine and kernel tests: on CUDA the Triton kernels are compiled and compared with
 #     the torch reference in float32, float16 and bfloat16, greedy output equals `model.generate` on
 #     the GPU in float32, offload/restore through the pinned CPU pool keeps outputs identical, a decode
-#     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores,
+#     step makes exactly one host sync (torch's sync debug mode), also when it offloads or restores or forks
+#     a hybrid's prompts,
 #     automatic KV sizing stays within the card's budget (tests/test_gpu_step.py), a model whose layers
 #     have other K/V shapes (Gemma 4), keys wider than values (MiMo-V2-Flash) or a cached latent (DeepSeek-V3:
 #     one KV head whose values are its keys' first columns; DeepSeek's own widths in test_triton_kernels)

@@ -1,12 +1,13 @@
 """The GPU-shaped step on a real GPU: one host wait per decode step (eager and through decode graphs,
 with and without async batching, in steps that offload or restore, and with a linear-attention hybrid's
-state slots), decode graphs captured at start
+state slots, also in steps that fork its prompts), decode graphs captured at start
 and replaying like the eager forward, automatic sizing within the card's budget, and an exact-size pinned
 CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -22,9 +23,10 @@ from workers.engine.sequence import cdiv
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
-def decode_syncs(engine: Engine, steps: int, monkeypatch) -> list[int]:
+def decode_syncs(engine: Engine, steps: int, monkeypatch, before: Callable[[int], None] | None = None) -> list[int]:
     """Host waits for the device in each of `steps` decode steps: synchronizing CUDA calls (torch's sync
-    debug mode) and CUDA event waits (which that mode does not see)."""
+    debug mode) and CUDA event waits (which that mode does not see); `before(i)` runs ahead of step i,
+    uncounted."""
     counts, waits = [], []
     wait = torch.cuda.Event.synchronize
 
@@ -35,7 +37,9 @@ def decode_syncs(engine: Engine, steps: int, monkeypatch) -> list[int]:
     monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        for _ in range(steps):
+        for i in range(steps):
+            if before is not None:
+                before(i)
             waits.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -82,6 +86,29 @@ def test_a_hybrids_state_slots_add_no_host_wait(zoo_dir, monkeypatch, graphs):
     for _ in range(3):
         engine.step()
     assert decode_syncs(engine, 8, monkeypatch) == [1] * 8
+    engine.check_integrity()
+
+
+def test_a_hybrids_fork_steps_add_no_host_wait(zoo_dir, monkeypatch):
+    """Steps that admit and fork a linear-attention hybrid's prompts while others decode (async batching, the
+    children's state slots copied from the prompt's): each still waits once, for the step before's tokens. A
+    fork step sends inputs twice more after its launch; with two staging buffers taken in strict turn, the
+    next step's send waited for that step's whole forward (9c308d2: the next buffer whose copy has landed)."""
+    engine = Engine(EngineConfig(model=zoo_dir("qwen3_5_text"), device="cuda", max_num_seqs=32, async_batching=True))
+    prompts = random_prompts(12, 128, (5, 40), seed=4)
+    engine.add_request(prompts[0], SamplingParams(temperature=0.8, max_new_tokens=64, seed=0, ignore_eos=True),
+                       prompt_index=0)
+    for _ in range(4):
+        engine.step()
+
+    def add(i: int) -> None:
+        if i % 2 == 0 and i // 2 + 1 < len(prompts):
+            engine.add_request(prompts[i // 2 + 1], SamplingParams(n=2, temperature=0.8, max_new_tokens=32,
+                                                                   seed=i, ignore_eos=True), prompt_index=i)
+
+    steps = 2 * (len(prompts) - 1)
+    assert decode_syncs(engine, steps, monkeypatch, before=add) == [1] * steps
+    assert engine.counters["forks"] == len(prompts) - 1, "each added prompt forked in the counted steps"
     engine.check_integrity()
 
 
