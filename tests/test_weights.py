@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from rollout import SamplingParams
 from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
-from workers.engine import engine as engine_module
+from workers.engine import weight_swap
 from workers.engine.weights import check_weights, load_source
 from workers.weight_format import checkpoint_tensors
 
@@ -245,7 +245,7 @@ def test_weights_copied_through_a_ctrl_c_are_all_copied(policies, monkeypatch):
         return copy(*args, **kwargs)
 
     dst.copy_ = interrupted_copy
-    monkeypatch.setattr(engine_module, "check_weights", lambda model, source: pairs)
+    monkeypatch.setattr(weight_swap, "check_weights", lambda model, source: pairs)
     with pytest.raises(KeyboardInterrupt):
         engine.update_weights(new, version=4)
     assert engine.policy_version == 4

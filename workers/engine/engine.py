@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 import os
 import uuid
-from typing import Callable
 
 import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
 from rollout.config import EngineConfig
-from rollout.params import SamplingParams, WeightSource, check_update, prompt_repeats
+from rollout.params import SamplingParams, WeightSource, prompt_repeats
 from rollout.schema import samples_to_batch, sort_samples
 from workers.engine.batch import Batch
 from workers.engine.block_pool import BlockPool, prompt_hash
@@ -35,9 +34,7 @@ from workers.engine.sequence import Group, Sequence, Status
 from workers.engine.stop_strings import StopStrings, stopped_by_strings
 from workers.engine.tokenizer import load_tokenizer
 from workers.engine.warmup import startup_phase
-from workers.engine.weights import check_weights, copy_weights, load_source
-
-Rows = Callable[[list[dict]], None]
+from workers.engine.weight_swap import Rows, swap_weights, validate_source
 
 
 class Engine:
@@ -137,47 +134,16 @@ class Engine:
 
     def update_weights(self, source: WeightSource, version: int, mode: str = "continue",
                        on_rows: Rows | None = None) -> list[dict]:
-        """Swap in new policy weights (a state dict or a safetensors checkpoint directory), validated
-        first and copied in place; KV computed before is never matched by later prompts.
-
-        `mode` decides what happens to samples already started: "continue" (they go on under the new
-        weights), "abort" (they end now, finish_reason "abort"), "finish" (they finish on the old
-        weights first). Returns the rows of samples that ended meanwhile, or, with `on_rows`, hands
-        them to it as they end (each step of a "finish" drain) and returns []; unstarted requests stay
-        queued and run on the new weights, and so does a prompt still in prefill, computed again.
-        """
-        check_update(version, mode)
-        pairs = check_weights(self.runner.model, load_source(source))
-        rows: list[dict] = []
-        emit = on_rows or rows.extend
-        try:
-            self._collect()  # the tokens of the step in flight are the old weights'
-            emit(self._take_ready())
-            self.scheduler.restart_prefills()
-            if mode == "abort":
-                emit(self._abort([s for s in self.scheduler.sequences() if s.started]))
-            elif mode == "finish":
-                self._drain(emit)
-        except BaseException:  # Ctrl-C in a drain: the rows of samples ended so far come from the next step
-            self.ready[:0] = rows
-            raise
-        try:
-            copy_weights(pairs)
-        finally:  # a Ctrl-C comes once every tensor is copied: they are this version's
-            self.policy_version = version
-            self.scheduler.roots.weights_changed()
-        return rows
-
-    def _drain(self, emit: Rows) -> None:
-        """Step until every started sample has finished, admitting nothing new; each step's rows go to `emit`."""
-        with self.scheduler.started_only():
-            while self.in_flight or any(s.started for s in self.scheduler.sequences()):
-                emit(self.step())
+        """Swap in new policy weights (a state dict or a safetensors checkpoint directory), validated first
+        and copied in place; `mode` ("continue", "abort" or "finish") decides what becomes of the samples
+        already started (weight_swap.py). Returns the rows of samples that ended meanwhile, or, with
+        `on_rows`, hands them to it as they end and returns []."""
+        return swap_weights(self, source, version, mode, on_rows)
 
     def validate_weights(self, source: WeightSource) -> None:
         """Raise the ValueError `update_weights` would (names, shapes, dtypes); copies nothing. Tensors on
         the "meta" device are enough."""
-        check_weights(self.runner.model, load_source(source), values=False)
+        validate_source(self.runner.model, source)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's current weights by name (the parameters themselves, not copies)."""
