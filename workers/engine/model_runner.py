@@ -23,10 +23,10 @@ from workers.engine.longrope import rope_switch_length, set_rope_step
 from workers.engine.model_loading import load_model
 from workers.engine.model_support import adapt_model, max_model_len
 from workers.engine.pipeline import Sampled
-from workers.engine.recurrent import StateCache
 from workers.engine.sampler import RowParams, SamplingBatch, sample, sampling_batch
 from workers.engine.sequence import Sequence, cdiv
 from workers.engine.staging import Staging
+from workers.engine.state_cache import StateCache
 from workers.engine.step_inputs import StepPlan, plan_step, profile_plan
 from workers.engine.warmup import capture_graphs, startup_phase, warm_up
 from workers.engine.window_ring import choose_rings, ring_state_layout, ring_table, ring_views

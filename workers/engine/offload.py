@@ -20,8 +20,8 @@ import torch
 
 from workers.engine.kv_cache import KvCache
 from workers.engine.memory import available_ram_bytes, pinned_empty
-from workers.engine.recurrent import StateCache
 from workers.engine.staging import Staging
+from workers.engine.state_cache import StateCache
 
 SAFE_RAM_FRACTION = 0.5
 STATE_SHARE = 0.5  # of the pool, at most, for recurrent-state slots (one per offloaded sequence)

@@ -27,8 +27,8 @@ import torch
 
 from rollout.config import EngineConfig
 from workers.engine.kv_cache import KvLayout
-from workers.engine.recurrent import StateCache, StateKey
 from workers.engine.sequence import cdiv
+from workers.engine.state_cache import StateCache, StateKey
 
 logger = logging.getLogger(__name__)
 
