@@ -18,7 +18,8 @@ from workers.engine.block_table import BlockTables
 from workers.engine.hash_roots import HashRoots
 from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
-from workers.engine.sequence import Sequence, Status, cdiv, fork_spare_blocks
+from workers.engine.seq_blocks import blocks_needed, growing_decodes, share_blocks
+from workers.engine.sequence import Sequence, Status, fork_spare_blocks
 
 TOKEN_COUNTERS = ("prefill_tokens", "decode_tokens", "recomputed_tokens", "wasted_tokens")
 
@@ -81,13 +82,13 @@ class Scheduler:
         self._recompute_rope_switches()
         decodes, prefills = self._split_running()
         decodes = decodes[:budget]
-        growing = _growing(decodes, self.block_size)
+        growing = growing_decodes(decodes, self.block_size)
         if self._make_room(batch, decodes, growing):
             prefills = self._split_running()[1]
         else:
             restored = self._restore(batch, len(growing))[: budget - len(decodes)]
             decodes += restored
-            growing += _growing(restored, self.block_size)
+            growing += growing_decodes(restored, self.block_size)
         for seq, block in zip(growing, self.pool.allocate(len(growing))):
             seq.block_table.append(block)
         batch.seqs, batch.num_tokens, batch.num_decodes = decodes, [1] * len(decodes), len(decodes)
@@ -146,9 +147,6 @@ class Scheduler:
             self.running.remove(seq)
             seq.num_preemptions += 1
             self._reset(seq)
-
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, cdiv(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table))
 
     def _make_room(self, batch: Batch, decodes: list[Sequence], growing: list[Sequence]) -> bool:
         """Preempt the newest running sequences until every decode that needs a block this step
@@ -228,14 +226,14 @@ class Scheduler:
         spare = fork_spare_blocks(len(seq.token_ids), len(seq.sample_indices), self.block_size)
         if n < seq.num_uncomputed:
             spare = 0
-        if self._blocks_needed(seq, n) + spare > self.pool.num_available:
+        if blocks_needed(seq, n, self.block_size) + spare > self.pool.num_available:
             if not partial:
                 return 0
             fit = (len(seq.block_table) + self.pool.num_available) * self.block_size - seq.num_computed_tokens
             n, spare = min(n, fit, seq.num_uncomputed - 1), 0
             if n <= 0:
                 return 0
-        need = self._blocks_needed(seq, n)
+        need = blocks_needed(seq, n, self.block_size)
         seq.block_table += self.pool.allocate(need)
         seq.fork_blocks = self.pool.allocate(spare)
         batch.add(seq, n)
@@ -249,19 +247,9 @@ class Scheduler:
         seq.block_table, seq.block_hashes, seq.fork_blocks, seq.num_computed_tokens = [], [], [], 0
 
     def fork(self, seq: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
-        """New children share the parent's complete blocks and each get a copy of its partial last
-        block (the parent keeps the original); returns the (src, dst) block copies to make."""
-        copies = []
-        spare, seq.fork_blocks = seq.fork_blocks, []
-        num_full = len(seq.block_table) - (1 if spare else 0)
-        for child in children:
-            full = child.block_table[:num_full]
-            for block in full:
-                self.pool.share(block)
-            if spare:
-                dst = spare.pop()
-                copies.append((child.block_table[-1], dst))
-                child.block_table = full + [dst]
+        """Run a prompt's new children beside it, sharing its blocks (`share_blocks`); returns the (src, dst)
+        block copies to make."""
+        copies = share_blocks(self.pool, seq, children)
         self.running.extend(children)
         return copies
 
@@ -301,9 +289,3 @@ class Scheduler:
                 assert self.pool.ref_counts[block] == 1, f"block {block} is shared but still written"
         self.tables.check(seqs)
         self.offloader.check()
-
-
-def _growing(decodes: list[Sequence], block_size: int) -> list[Sequence]:
-    """The decoding sequences whose next token starts a new block (`_blocks_needed(seq, 1) > 0`, written
-    out: it runs for every decode of every step)."""
-    return [seq for seq in decodes if seq.num_computed_tokens >= len(seq.block_table) * block_size]
