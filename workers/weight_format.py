@@ -7,15 +7,14 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, TypeVar
+from typing import Mapping
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
+from workers.engine.checkpoint_files import not_plain, read_checkpoint_file, refuse_repeated_names
 from workers.messages import TensorMeta
-
-T = TypeVar("T")
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
                  torch.int8, torch.uint8, torch.bool}
@@ -49,30 +48,9 @@ def check_state_dict(state: object) -> Mapping[str, torch.Tensor]:
     return state
 
 
-def not_plain(tensor: torch.Tensor) -> str | None:
-    """Why a tensor cannot be copied into a model's parameter as it is (a sparse tensor, or a tensor subclass
-    such as FSDP2's sharded DTensor), or None for a plain dense tensor or parameter."""
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return f"a {type(tensor).__name__}, not a plain torch.Tensor (gather a DTensor with .full_tensor())"
-    if tensor.layout != torch.strided:
-        return f"a {tensor.layout} tensor, not a dense (torch.strided) one"
-    return None
-
-
 def describe(state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
     """Name, dtype and shape of every tensor of a state dict, in its order."""
     return [TensorMeta(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
-
-
-def refuse_repeated_names(path: str | Path, names_by_file: Mapping[Path, Iterable[str]]) -> None:
-    """ValueError naming a tensor that two files of checkpoint `path` both hold (a stale shard left beside the
-    new ones, say): one copy would silently win."""
-    where: dict[str, Path] = {}
-    for file, names in names_by_file.items():
-        for name in names:
-            if where.setdefault(name, file) != file:
-                raise ValueError(f"checkpoint {str(path)!r} holds {name!r} twice, in {where[name].name} and "
-                                 f"{file.name}: one copy would silently win")
 
 
 def checkpoint_tensors(path: str | Path) -> list[TensorMeta]:
@@ -100,15 +78,6 @@ def check_unchanged(path: str, stamp: list[tuple[str, int, int]], version: int) 
         raise ValueError(f"weights refused, nothing was changed: checkpoint {path!r} changed since version {version} "
                          f"was sent ({', '.join(changed)}); keep a checkpoint directory unchanged until the next "
                          "update, since a replacement worker loads it again")
-
-
-def read_checkpoint_file(file: Path, read: Callable[[Path], T]) -> T:
-    """`read(file)`; ValueError naming the file when it is not a whole safetensors file (truncated, corrupt)."""
-    try:
-        return read(file)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"weights refused, nothing was changed: checkpoint file {str(file)!r} cannot be read "
-                         f"({err})") from err
 
 
 def _header(file: Path) -> list[TensorMeta]:

@@ -13,7 +13,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
-from workers.weight_format import not_plain, read_checkpoint_file, refuse_repeated_names
+from workers.engine.checkpoint_files import not_plain, read_checkpoint_file, refuse_repeated_names
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
