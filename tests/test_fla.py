@@ -39,9 +39,14 @@ def ieee_float32():
     """fla's chunked kernels leave their float32 products' precision to Triton, whose default is TF32: there the
     engine's logprobs, prefilled in other chunks than the reference's, were off by up to 3.4e-3 (H100,
     2026-11-26). TRITON_F32_DEFAULT makes them IEEE. It is set for the whole module, before any fla kernel
-    compiles: Triton keys the kernels it keeps in memory by their arguments, not by this variable."""
+    compiles: Triton keys the kernels it keeps in memory by their arguments, not by this variable. The layers'
+    short convolutions (torch's conv1d: cuDNN) are TF32 by torch's default too, so that is off as well. With it
+    on, OLMo hybrid's logprobs were 1.5e-3 off on an H200 (2026-11-27), where the same test, fla's kernels
+    included, is exact under Triton's interpreter on the CPU; the next GPU run tells whether it was the cause."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_F32_DEFAULT", "ieee")
+        patch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        patch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
         yield
 
 
