@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def run_check(tmp_path: Path, total_s: int = 60, fail: str = "-none-", slow: str
     steps = tmp_path / "steps.txt"
     steps.unlink(missing_ok=True)
     environment = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+                   "TRITON_CACHE_DIR": str(tmp_path / "triton"),
                    "STEPS": str(steps), "FAIL": fail, "SLOW": slow, "DEAF": deaf, "GPU_CHECK_TOTAL_S": str(total_s),
                    **env}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=environment, capture_output=True,
@@ -51,6 +53,19 @@ def test_steps_run_in_order_and_pass(tmp_path):
     assert steps.count("bench_attention.py") == 4
     assert {"tests.log", "bench_gpu.log", "fla.log", "coverage.log"} <= set(os.listdir(tmp_path / "out"))
     assert len(os.listdir(tmp_path / "out")) <= 8  # the most files a device call brings back
+
+
+def test_autotuning_results_are_seeded_and_brought_back(tmp_path):
+    """The cache starts with scripts/gpu_autotune/'s results; every result in it at the end is in autotune.tgz."""
+    tuned = tmp_path / "triton" / "0a1b" / "chunk_fwd_kernel.autotune.json"
+    tuned.parent.mkdir(parents=True)
+    tuned.write_text("{}")
+    (tuned.parent / "chunk_fwd_kernel.cubin").write_text("binary")
+    rc, _, out = run_check(tmp_path)
+    assert rc == 0, out
+    assert (tmp_path / "triton" / "README.md").read_text() == (ROOT / "scripts/gpu_autotune/README.md").read_text()
+    with tarfile.open(tmp_path / "out" / "autotune.tgz") as archive:
+        assert archive.getnames() == ["./0a1b/chunk_fwd_kernel.autotune.json"]
 
 
 @pytest.mark.parametrize("failing", ["test_triton_kernels.py", "bench_norm.py", "bench_gpu.py", "test_fla.py"])
