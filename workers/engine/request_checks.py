@@ -9,7 +9,8 @@ import transformers
 
 from rollout.config import EngineConfig
 from rollout.params import SamplingParams, check_prompt_list
-from workers.engine.sequence import cdiv, fork_spare_blocks
+from workers.engine.seq_blocks import fork_spare_blocks
+from workers.engine.sequence import cdiv
 from workers.engine.stop_strings import StopStrings
 from workers.engine.tokenizer import encode_prompt
 

@@ -18,8 +18,8 @@ from workers.engine.block_table import BlockTables
 from workers.engine.hash_roots import HashRoots
 from workers.engine.offload import CpuPool
 from workers.engine.preemption import Offloader
-from workers.engine.seq_blocks import blocks_needed, growing_decodes, share_blocks
-from workers.engine.sequence import Sequence, Status, fork_spare_blocks
+from workers.engine.seq_blocks import blocks_needed, fork_spare_blocks, growing_decodes, share_blocks
+from workers.engine.sequence import Sequence, Status
 
 TOKEN_COUNTERS = ("prefill_tokens", "decode_tokens", "recomputed_tokens", "wasted_tokens")
 

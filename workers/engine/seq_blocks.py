@@ -1,9 +1,16 @@
-"""A sequence's blocks: those a step adds to it, and those a fork's children share with their prompt."""
+"""A sequence's blocks: those a step adds to it, those a prompt reserves for its fork, and those the fork's
+children share with their prompt."""
 
 from __future__ import annotations
 
 from workers.engine.block_pool import BlockPool
 from workers.engine.sequence import Sequence, cdiv
+
+
+def fork_spare_blocks(num_tokens: int, num_samples: int, block_size: int) -> int:
+    """Blocks a prompt of `num_tokens` reserves for its fork into `num_samples`: a copy of its
+    partial last block for every child but the first (none when the last block is complete)."""
+    return num_samples - 1 if num_tokens % block_size else 0
 
 
 def blocks_needed(seq: Sequence, n: int, block_size: int) -> int:

@@ -18,12 +18,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def fork_spare_blocks(num_tokens: int, num_samples: int, block_size: int) -> int:
-    """Blocks a prompt of `num_tokens` reserves for its fork into `num_samples`: a copy of its
-    partial last block for every child but the first (none when the last block is complete)."""
-    return num_samples - 1 if num_tokens % block_size else 0
-
-
 class Status(enum.Enum):
     """Where a sequence is in its life."""
 
