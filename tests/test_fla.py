@@ -43,11 +43,14 @@ def ieee_float32():
     short convolutions (torch's conv1d: cuDNN) are TF32 by torch's default too, so that is off as well. With it
     on, OLMo hybrid's logprobs were 1.5e-3 off on an H200 (2026-11-27), where the same test, fla's kernels
     included, is exact under Triton's interpreter on the CPU; the next GPU run tells whether it was the cause."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_F32_DEFAULT", "ieee")
-        patch.setattr(torch.backends.cudnn, "allow_tf32", False)
-        patch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-        yield
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TRITON_F32_DEFAULT", "ieee")
+            yield
+    finally:  # torch's backend flags are properties of module objects, which monkeypatch cannot restore
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 class ThirdPartyMamba2Config(transformers.Mamba2Config):
