@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACT = {"rollout.params", "rollout.schema", "rollout.config", "rollout.checks"}  # checks: their field checks
+CONTRACT = {"rollout.params", "rollout.schema", "rollout.config", "rollout.checks"}  # checks: the structs' field checks
 CLIENT_SIDE = {"rollout.stream", "rollout.weight_sync", "rollout.local_ray", "rollout.service_lost"}
 PROJECT = ("rollout", "workers", "trainer_client")
 
 
 def module_name(path: Path) -> str:
+    """The dotted name a project file is imported as."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -37,8 +38,9 @@ def imported(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])]) \
-                if node.level else node.module
+            base = node.module
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], *filter(None, [node.module])])
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names if is_module(f"{base}.{alias.name}"))
     return names
