@@ -129,11 +129,12 @@ def _logprobs(model, ids: torch.Tensor, piece: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _torch_rules(model) -> dict:
-    """The model's module functions that route to fla, each replaced by transformers' PyTorch reference."""
+def _use_torch_rules(model, monkeypatch) -> None:
+    """Point the model's module functions that route to fla at transformers' PyTorch references instead."""
     module = sys.modules[type(model.model.layers[0]).__module__]
-    return {name: inspect.unwrap(value) for name, value in vars(module).items()
-            if callable(value) and getattr(value, "__wrapped__", None) is not None and "delta" in name}
+    for name, value in list(vars(module).items()):
+        if callable(value) and getattr(value, "__wrapped__", None) is not None and "delta" in name:
+            monkeypatch.setattr(module, name, inspect.unwrap(value))
 
 
 @pytest.mark.skipif(HAS_FLA and not ON_GPU, reason="fla's kernels need a GPU")
@@ -149,8 +150,7 @@ def test_the_model_alone_gives_one_answer_fed_whole_or_in_pieces(tmp_path, monke
     with torch.no_grad():
         whole = _logprobs(model, ids, ids.shape[1])
         pieces = _logprobs(model, ids, 16)
-        for function, reference in _torch_rules(model).items():
-            monkeypatch.setattr(sys.modules[type(model.model.layers[0]).__module__], function, reference)
+        _use_torch_rules(model, monkeypatch)
         reference = _logprobs(model, ids, ids.shape[1])
     assert (pieces - whole).abs().max().item() < 1e-4, "fed in pieces"
     assert (reference - whole).abs().max().item() < 1e-4, "the PyTorch reference"
