@@ -26,7 +26,7 @@
 #   - scripts/bench_delta_rule.py: a Gated DeltaNet layer's decode in place against transformers' rule (fla's)
 #     and its convolution update (BENCH_DELTA_ARGS adds options, e.g. "--tiles 32x4 128x4": the default tile
 #     was chosen on an H200); scripts/bench_norm.py: the RMS norms of a decode step, transformers' modules
-#     against the fused kernel;
+#     against the fused kernel; scripts/bench_pin.py: pinning the CPU pool, the engine's way and others;
 #   - scripts/bench_gpu.py: this engine against transformers' generate_batch on a random Qwen3-1.7B-shaped
 #     model (its default set, decode and multi_return_seq; results in $OUT/bench_gpu.json), with the 15 kernels
 #     that take most of a decode step's device time (scripts/bench_profile.py). It starts no run once
@@ -46,8 +46,8 @@
 #   benches and bench_attention together 322 s; earlier on an H100: test_fla 151 s (TF32), the graph tests of
 #   all 90 families about 150 s; on an H200 (eighth): the engine tests 177 s, then test_fla in IEEE float32 cut
 #   at 214 s inside its first GPU test, fla autotuning.
-#   Seven log files (bench_delta_rule's and bench_norm's in bench_kernels.log) and autotune.tgz: eight files, the
-#   most a device call brings back.
+#   Seven log files (bench_delta_rule's, bench_norm's and bench_pin's in bench_kernels.log) and autotune.tgz: eight
+#   files, the most a device call brings back.
 # Autotuning (fla's kernels: 201 s of test_fla's first GPU test on an H200 in the ninth session) is paid once: Triton
 # keeps each kernel's tuning results in its cache (fla asks it to), gpu_check seeds that cache from
 # scripts/gpu_autotune/ and brings back every result in $OUT/autotune.tgz, which the next commit unpacks there:
@@ -131,6 +131,10 @@ delta_rc=${PIPESTATUS[0]}
 # the norms of a decode step, transformers' modules against the fused kernel (about 20 s)
 timed python3 scripts/bench_norm.py 2>&1 | tee -a "$OUT/bench_kernels.log"
 norm_rc=${PIPESTATUS[0]}
+# pinning the CPU pool: the engine's way against pages faulted in first by threads, huge pages, cudaHostAlloc
+# (about 15 s; pinning 16 GiB took 6 s of an engine's start-up in the ninth GPU session)
+timed python3 scripts/bench_pin.py 2>&1 | tee -a "$OUT/bench_kernels.log"
+pin_rc=${PIPESTATUS[0]}
 gpu_rc=0
 if [ "${SKIP_BENCH_GPU:-0}" != 1 ]; then
     budget=$(( ${GPU_CHECK_BUDGET_S:-450} - SECONDS ))
@@ -160,10 +164,10 @@ coverage_rc=$?
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/autotune.tgz" --null -T -)
 echo "autotune results: $(tar tzf "$OUT/autotune.tgz" | wc -l) in $OUT/autotune.tgz"
 echo "pytest exit $tests_rc, test_fla exit $fla_rc, bench_delta_rule exit $delta_rc, bench_norm exit $norm_rc," \
-    "bench_gpu exit $gpu_rc, bench_attention exit $attention_rc, coverage exit $coverage_rc (124: stopped at" \
-    "GPU_CHECK_TOTAL_S)"
+    "bench_pin exit $pin_rc, bench_gpu exit $gpu_rc, bench_attention exit $attention_rc, coverage exit $coverage_rc" \
+    "(124: stopped at GPU_CHECK_TOTAL_S)"
 failed=$tests_rc
-for rc in $fla_rc $delta_rc $norm_rc $gpu_rc $attention_rc $coverage_rc; do
+for rc in $fla_rc $delta_rc $norm_rc $pin_rc $gpu_rc $attention_rc $coverage_rc; do
     [ "$rc" != 0 ] && [ "$rc" != 124 ] && failed=1
 done
 exit $((failed != 0))

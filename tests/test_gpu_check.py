@@ -48,7 +48,7 @@ def test_steps_run_in_order_and_pass(tmp_path):
     rc, steps, out = run_check(tmp_path)
     assert rc == 0, out
     assert list(dict.fromkeys(steps)) == [
-        "test_triton_kernels.py", "test_fla.py", "bench_delta_rule.py", "bench_norm.py", "bench_gpu.py",
+        "test_triton_kernels.py", "test_fla.py", "bench_delta_rule.py", "bench_norm.py", "bench_pin.py", "bench_gpu.py",
         "bench_attention.py", "test_model_coverage.py"]
     assert steps.count("bench_attention.py") == 4
     assert {"tests.log", "bench_gpu.log", "fla.log", "coverage.log"} <= set(os.listdir(tmp_path / "out"))
@@ -68,7 +68,7 @@ def test_autotuning_results_are_seeded_and_brought_back(tmp_path):
         assert archive.getnames() == ["./0a1b/chunk_fwd_kernel.autotune.json"]
 
 
-@pytest.mark.parametrize("failing", ["test_triton_kernels.py", "bench_norm.py", "bench_gpu.py", "test_fla.py"])
+@pytest.mark.parametrize("failing", ["test_triton_kernels.py", "bench_norm.py", "bench_pin.py", "bench_gpu.py", "test_fla.py"])
 def test_a_failing_step_fails_the_check(tmp_path, failing):
     rc, steps, out = run_check(tmp_path, fail=failing)
     assert rc == 1, out
