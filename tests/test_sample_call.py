@@ -72,7 +72,7 @@ def run_call(pool: WorkerPool, prompts: int, n: int) -> list[tuple[int, int]]:
         assert items[0] == prompts * n
         return [key for batch in items[1:] for key in zip(batch.column("prompt_index").to_pylist(),
                                                           batch.column("sample_index").to_pylist())]
-    return asyncio.run(collect())
+    return asyncio.run(asyncio.wait_for(collect(), timeout=10))
 
 
 def test_a_worker_lost_between_routing_and_opening_its_stream_has_its_share_routed_again(pool):
@@ -92,6 +92,22 @@ def test_a_worker_lost_between_routing_and_opening_its_stream_has_its_share_rout
     keys = run_call(pool, prompts=4, n=3)
     assert sorted(keys) == [(p, s) for p in range(4) for s in range(3)]
     assert served[-1] == 1 and list(pool.workers) == [1] and pool.load == {1: 0}
+
+
+def test_a_worker_stream_that_ends_with_samples_missing_fails_the_call(pool):
+    """A worker's stream that ends normally while it still owes samples fails the call naming the worker,
+    rather than leave the call waiting for ever for samples nobody will send."""
+    pool, served = pool
+    generate = pool.workers[0].generate.remote
+
+    def short(call_id: str, groups: list[PromptGroup], params: SamplingParams) -> StandInStream:
+        stream = generate(call_id, groups, params)
+        stream.items[-1] = stream.items[-1].slice(0, 1)  # its last group's batch lacks all but one sample
+        return stream
+
+    pool.workers[0].generate = SimpleNamespace(remote=short)
+    with pytest.raises(RuntimeError, match="worker 0 ended a stream with samples missing"):
+        run_call(pool, prompts=4, n=3)
 
 
 def test_a_lost_workers_replacement_keeps_its_load_when_the_old_streams_end(pool):

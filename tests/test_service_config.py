@@ -31,6 +31,8 @@ def model(model_dir):
     (dict(engine={"block_size": "big"}), r"Expected `int`, got `str` - at `\$.engine.block_size`"),
     (dict(flush_delay_s=-1.0), r"ServiceConfig.flush_delay_s=-1.0 must be >= 0"),
     (dict(device="cuda:1"), r"engine.device='cuda:1' must be one of \('cpu', 'cuda'\)"),
+    (dict(worker_stall_timeout_s=0.0), r"ServiceConfig.worker_stall_timeout_s=0.0 must be > 0"),
+    (dict(namespace=""), r"ServiceConfig.namespace must not be empty"),
 ])
 def test_bad_overrides(model, overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 from ray.exceptions import ActorDiedError
 
 from rollout import pool as pool_module
@@ -78,3 +79,32 @@ def test_a_replacement_that_dies_before_it_takes_work_is_started_again(monkeypat
     asyncio.run(lose_and_wait())
     assert list(pool.workers) == [1] and pool.load == {1: 0} and not pool.starting
     assert len(killed) == 3  # the lost worker and both dead replacements
+
+
+def test_prompts_are_routed_largest_demand_first():
+    """A resend after a loss asks for different numbers of samples per prompt: the largest goes first, so that
+    the smaller ones even out the load around it (in call order the large one would pile on a loaded worker)."""
+    pool = pool_of({0: 64, 1: 64}, {0: 0, 1: 0}, [])
+    assert pool.assign({0: 1, 1: 1, 2: 8}, num_blocks=64) == {0: [2], 1: [0, 1]}
+    assert pool.load == {0: 8, 1: 2}
+
+
+def test_call_all_raises_a_workers_error_and_leaves_a_lost_worker_out(monkeypatch):
+    """`call_all` (a weight update on every worker) raises the error one worker's call raised once every call
+    has ended, never returns as if all had succeeded; a worker lost meanwhile is left out of the results."""
+    def handle(outcome: object) -> SimpleNamespace:
+        async def update_weights(version: int) -> int:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return version
+        return SimpleNamespace(update_weights=SimpleNamespace(remote=update_weights))
+
+    monkeypatch.setattr(pool_module.ray, "kill", lambda handle, no_restart: None)
+    pool = pool_of({0: 64, 1: 64, 2: 64}, {0: 0, 1: 0, 2: 0}, [])
+    pool.closed = True  # a lost worker is not replaced
+    pool.workers = {0: handle(None), 1: handle(ActorDiedError()), 2: handle(OSError("checkpoint unreadable"))}
+    with pytest.raises(OSError, match="checkpoint unreadable"):
+        asyncio.run(pool.call_all("update_weights", 3))
+    assert list(pool.workers) == [0, 2]
+    del pool.workers[2]
+    assert asyncio.run(pool.call_all("update_weights", 4)) == {0: 4}
