@@ -135,3 +135,15 @@ def test_a_step_whose_tokens_never_arrive_fails_its_calls_and_the_loop_serves_on
         assert done[name].wait(30)
     assert isinstance(items["bad"][-1], RuntimeError) and items["good"][-1] is None
     assert sorted(len(row["token_ids"]) for batch in items["good"][:-1] for row in batch.to_pylist()) == [6, 6]
+
+
+def test_a_call_refused_part_way_leaves_none_of_its_groups_in_the_engine(model_dir):
+    """A call whose second group the engine refuses (a replacement with a smaller cache judges it, say) fails
+    at `open` with its first group aborted too: else its samples would run for nobody, holding blocks."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3")), flush_rows=1, flush_delay_s=0.0)
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)  # runs on unless aborted
+    prompt = random_prompts(1, 512, (6, 6), seed=63)[0]
+    groups = [PromptGroup(0, prompt, [0]), PromptGroup(1, [5, 99999], [0])]
+    with pytest.raises(ValueError, match="prompt 1 has token id 99999"):
+        loop.open("call", groups, params, lambda item: None).result(timeout=30)
+    assert loop.submit(loop.engine.has_unfinished).result(timeout=10) is False
