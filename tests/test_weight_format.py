@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from workers.weight_format import (
     check_state_dict,
+    check_unchanged,
+    checkpoint_stamp,
     checkpoint_tensors,
     describe,
     from_numpy,
@@ -35,6 +37,7 @@ def test_buckets_group_by_dtype_and_respect_the_size():
     tensors = describe(STATE)
     buckets = plan_buckets(tensors, bucket_bytes=24)
     assert sorted(buckets) == [[0], [1], [2], [3], [4]]  # a (24 bytes) fills a bucket; c (48) gets its own
+    assert plan_buckets(describe({"x": torch.zeros(2), "y": torch.zeros(2)}), bucket_bytes=16) == [[0, 1]]  # fills it
     buckets = plan_buckets(tensors, bucket_bytes=1 << 20)
     assert sorted(map(sorted, buckets)) == [[0, 3], [1], [2], [4]]
     for bucket in buckets:
@@ -64,3 +67,18 @@ def test_a_sparse_tensor_is_refused_by_name_before_it_is_sent():
     state = {"a": torch.zeros(2, 2), "b": torch.eye(2).to_sparse()}
     with pytest.raises(ValueError, match="'b' is a torch.sparse_coo tensor, not a dense"):
         check_state_dict(state)
+
+
+def test_a_replay_refuses_a_checkpoint_with_a_shard_removed_or_rewritten(tmp_path):
+    """A replacement loads an update's checkpoint again later: any change of its files since the update was
+    sent (a removed shard too) refuses it, naming the files."""
+    for name in ("model-1.safetensors", "model-2.safetensors"):
+        save_file({name: torch.zeros(2)}, tmp_path / name)
+    stamp = checkpoint_stamp(tmp_path)
+    check_unchanged(str(tmp_path), stamp, 3)
+    (tmp_path / "model-2.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"changed since version 3 was sent \(model-2.safetensors\)"):
+        check_unchanged(str(tmp_path), stamp, 3)
+    save_file({"other": torch.ones(3)}, tmp_path / "model-1.safetensors")
+    with pytest.raises(ValueError, match=r"\(model-1.safetensors, model-2.safetensors\)"):
+        check_unchanged(str(tmp_path), stamp, 3)
