@@ -147,3 +147,15 @@ def test_a_call_refused_part_way_leaves_none_of_its_groups_in_the_engine(model_d
     with pytest.raises(ValueError, match="prompt 1 has token id 99999"):
         loop.open("call", groups, params, lambda item: None).result(timeout=30)
     assert loop.submit(loop.engine.has_unfinished).result(timeout=10) is False
+
+
+def test_a_call_flushes_its_rows_once_flush_rows_are_pending(model_dir):
+    """Rows go out as soon as `flush_rows` of a call are pending, not only after `flush_delay_s` or at the call's
+    end: the first group (prefilled a step earlier) arrives on its own, ahead of the second."""
+    loop = EngineLoop(lambda: make_engine(model_dir("qwen3"), max_batch_tokens=32), flush_rows=2, flush_delay_s=3600)
+    items, done, emit = receivers("call")
+    first, second = random_prompts(2, 512, (40, 40), seed=64)
+    groups = [PromptGroup(0, first, [0, 1]), PromptGroup(1, second, [0, 1])]
+    loop.open("call", groups, SamplingParams(n=2, temperature=0, max_new_tokens=2, ignore_eos=True), emit("call"))
+    assert done["call"].wait(30) and items["call"][-1] is None
+    assert [batch.column("prompt_index").to_pylist() for batch in items["call"][:-1]] == [[0, 0], [1, 1]]
