@@ -6,11 +6,14 @@ itself."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+import ray
 
 import rollout
-from rollout.service_lost import ServiceUnavailable
+from rollout import api, service_lost
+from rollout.service_lost import ServiceUnavailable, service_calls
 from tests.conftest import random_prompts
 
 
@@ -42,7 +45,10 @@ def test_shutdown_while_other_threads_read_streams(model_dir):
     for thread in threads:
         thread.start()
     assert all(event.wait(60) for event in opened.values())
+    with pytest.raises(RuntimeError, match=r"rollout is already initialised; call rollout.shutdown\(\) first"):
+        rollout.init(model=model_dir("qwen3"))
     rollout.shutdown()
+    assert not ray.is_initialized(), "the embedded Ray that init started is stopped"
     pause.set()
     for thread in threads:
         thread.join(60)
@@ -53,3 +59,25 @@ def test_shutdown_while_other_threads_read_streams(model_dir):
         rollout.sample([[5, 6]], n=1)
     with pytest.raises(RuntimeError, match=r"rollout was shut down; call rollout.init\(...\)"):
         rollout.update_weights({}, version=1)
+
+
+def test_shutdown_stops_ray_once_the_threads_inside_a_call_have_returned(monkeypatch):
+    """Ray stops only after every thread inside a service call has left it: a thread inside a Ray call when
+    Ray shuts down can end the whole process."""
+    monkeypatch.setattr(service_lost.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(api, "_owns_ray", True)
+    inside_at_stop = []
+    monkeypatch.setattr(api, "stop_local_ray", lambda: inside_at_stop.append(service_lost._CALLS.inside))
+    entered = threading.Event()
+
+    def call() -> None:
+        with service_calls(None):
+            entered.set()
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert entered.wait(10)
+    rollout.shutdown()
+    thread.join(10)
+    assert inside_at_stop == [0]
