@@ -3,6 +3,8 @@ one-dtype buckets. No Ray."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -82,3 +84,9 @@ def test_a_replay_refuses_a_checkpoint_with_a_shard_removed_or_rewritten(tmp_pat
     save_file({"other": torch.ones(3)}, tmp_path / "model-1.safetensors")
     with pytest.raises(ValueError, match=r"\(model-1.safetensors, model-2.safetensors\)"):
         check_unchanged(str(tmp_path), stamp, 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "64"])
+def test_a_bucket_size_that_is_no_positive_int_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=re.escape(f"bucket_bytes={bad!r} must be an int >= 1")):
+        plan_buckets(describe(STATE), bucket_bytes=bad)
