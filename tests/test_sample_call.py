@@ -23,7 +23,8 @@ async def _value(value: object) -> object:
 
 class StandInStream:
     """A worker's `generate` stream: the acknowledgement (None), then one record batch per prompt group;
-    every step raises RayActorError once the worker is dead, as a killed actor's stream does."""
+    every step raises RayActorError once the worker is dead, as a killed actor's stream does (an exception
+    among the items is raised in its place: the worker dies there)."""
 
     def __init__(self, worker: SimpleNamespace, groups: list[PromptGroup]) -> None:
         self.worker = worker
@@ -38,7 +39,10 @@ class StandInStream:
             raise RayActorError()
         if not self.items:
             raise StopAsyncIteration
-        return _value(self.items.pop(0))
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return _value(item)
 
 
 def stand_in_worker(served: list[int], worker_id: int) -> SimpleNamespace:
@@ -92,6 +96,23 @@ def test_a_worker_lost_between_routing_and_opening_its_stream_has_its_share_rout
     keys = run_call(pool, prompts=4, n=3)
     assert sorted(keys) == [(p, s) for p in range(4) for s in range(3)]
     assert served[-1] == 1 and list(pool.workers) == [1] and pool.load == {1: 0}
+
+
+def test_a_worker_lost_part_way_through_a_prompt_has_only_its_missing_samples_resent(pool):
+    """A worker lost after some of a prompt's samples arrived: only the ones still missing go to another
+    worker, so that every sample arrives exactly once."""
+    pool, served = pool
+    generate = pool.workers[0].generate.remote
+
+    def dies_part_way(call_id: str, groups: list[PromptGroup], params: SamplingParams) -> StandInStream:
+        stream = generate(call_id, groups, params)
+        stream.items[1:] = [stream.items[1].slice(0, 1), RayActorError()]  # one sample of its first prompt
+        return stream
+
+    pool.workers[0].generate = SimpleNamespace(remote=dies_part_way)
+    keys = run_call(pool, prompts=4, n=3)
+    assert sorted(keys) == [(p, s) for p in range(4) for s in range(3)]
+    assert served == [0, 1, 1] and list(pool.workers) == [1]
 
 
 def test_a_worker_stream_that_ends_with_samples_missing_fails_the_call(pool):
