@@ -13,8 +13,10 @@ import ray
 import torch
 
 import rollout
+from rollout import weight_sync
 from tests.conftest import hf_greedy, hf_model, random_prompts
 from trainer_client import RolloutClient
+from workers.weight_group import broadcast
 
 PROMPT = random_prompts(1, 512, (40, 40), seed=70)[0]
 _versions = itertools.count(1)
@@ -155,13 +157,19 @@ def test_finish_mode_drains_on_the_old_weights(client, policies, states):
     (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].bfloat16()}), None, "dtype torch.bfloat16"),
     (lambda sd: sd.pop("lm_head.weight"), "broadcast", "missing 'lm_head.weight'"),
 ], ids=["missing", "shape", "dtype", "broadcast-missing"])
-def test_refused_state_dict_changes_nothing(client, policies, states, sync, break_it, transport, match):
+def test_refused_state_dict_changes_nothing(client, policies, states, sync, break_it, transport, match, monkeypatch):
+    """Refused tensors raise before anything is sent (no bucket of a broadcast), and every worker keeps its
+    weights and version."""
     old, new = policies
     version = set_weights(old)
     state = dict(states[new])
     break_it(state)
+    sent = []
+    monkeypatch.setattr(weight_sync, "broadcast", lambda group, flat: (sent.append(flat.numel()),
+                                                                       broadcast(group, flat)))
     with pytest.raises(ValueError, match=match):
         rollout.update_weights(state, version + 100, transport=transport)
+    assert sent == []
     assert versions(client) == {version}
     assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(old, PROMPT)
 
