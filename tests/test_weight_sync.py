@@ -1,19 +1,29 @@
 """The trainer's `WeightSync`, over a stand-in service (no Ray): `close` (which `rollout.shutdown` and a new
 `init_weight_sync` call) does not wait for an update in flight in another thread, which leaves the group as it
-ends."""
+ends; bad update arguments are refused before anything is sent."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 
 from rollout import weight_sync
 from rollout.weight_sync import WeightSync
-from workers.messages import WeightGroup
+from workers.messages import WeightGroup, WeightUpdate
+
+
+def stand_in_sync(check: Callable[[WeightUpdate], object], apply: Callable[[WeightUpdate], object],
+                  group: object) -> WeightSync:
+    """A `WeightSync` on `group` whose service answers `check_weights` with `check` and `update_weights` with
+    `apply`."""
+    service = SimpleNamespace(check_weights=SimpleNamespace(remote=check), update_weights=SimpleNamespace(remote=apply))
+    return WeightSync(service, object(), group, WeightGroup("127.0.0.1", 1, 2, "gloo", 5.0), 1 << 20)
 
 
 def test_close_leaves_the_group_once_the_update_in_flight_ends(monkeypatch):
@@ -28,10 +38,8 @@ def test_close_leaves_the_group_once_the_update_in_flight_ends(monkeypatch):
     monkeypatch.setattr(weight_sync, "get_result", get_result)
     monkeypatch.setattr(weight_sync, "broadcast", lambda group, tensor: None)
     monkeypatch.setattr(weight_sync, "close_group", closed.append)
-    service = SimpleNamespace(check_weights=SimpleNamespace(remote=lambda update: "checked"),
-                              update_weights=SimpleNamespace(remote=lambda update: "applied"))
     group = object()
-    sync = WeightSync(service, object(), group, WeightGroup("127.0.0.1", 1, 2, "gloo", 5.0), 1 << 20)
+    sync = stand_in_sync(lambda update: "checked", lambda update: "applied", group)
     state = {"w": torch.ones(4)}
     update = threading.Thread(target=sync.update_weights, args=(state, 1, "finish"))
     update.start()
@@ -50,3 +58,16 @@ def test_close_leaves_the_group_once_the_update_in_flight_ends(monkeypatch):
     with pytest.raises(RuntimeError, match=r"closed \(by init_weight_sync\(\) or shutdown\); call init_weight_sync"):
         sync.update_weights(state, 2)
     assert [g for g in closed if g is not None] == [group]  # aborted once
+
+
+@pytest.mark.parametrize("version, mode, message", [(-1, "continue", "version=-1"), (True, "continue", "version=True"),
+                                                    (1, "later", "mode='later'")])
+def test_bad_update_arguments_are_refused_before_anything_is_sent(monkeypatch, version, mode, message):
+    sent = []
+    monkeypatch.setattr(weight_sync, "service_calls", lambda service: contextlib.nullcontext())
+    monkeypatch.setattr(weight_sync, "get_result", lambda ref: None)
+    monkeypatch.setattr(weight_sync, "broadcast", lambda group, tensor: sent.append("bucket"))
+    sync = stand_in_sync(lambda update: sent.append("check"), lambda update: sent.append("apply"), object())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sync.update_weights({"w": torch.ones(4)}, version, mode)
+    assert sent == []
