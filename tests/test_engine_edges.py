@@ -62,3 +62,30 @@ def test_a_launch_that_fails_after_a_prompts_last_chunk_was_scheduled_leaks_no_b
     assert_nothing_leaked(engine)
     monkeypatch.setattr(engine.runner, "launch", launch)
     assert len(run(engine, [prompt], SamplingParams(n=n, temperature=0, max_new_tokens=4, ignore_eos=True))) == n
+
+
+def test_a_finished_sample_gives_its_tail_blocks_to_eviction_first(qwen3):
+    """A finished sample's cached blocks are evicted from its last block back to its first, so a cache short of
+    room keeps the start of a prompt (a prefix is matched from its first block: losing that loses it all)."""
+    prompt, other = random_prompts(1, 512, (12, 12), seed=22)[0], random_prompts(1, 512, (20, 20), seed=23)[0]
+    engine = make_engine(qwen3, block_size=4, num_blocks=8)
+    run(engine, [prompt], GREEDY)
+    run(engine, [other], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
+    cached = engine.stats()["cached_prefix_tokens"]
+    run(engine, [prompt], GREEDY)
+    assert engine.stats()["cached_prefix_tokens"] - cached == 8
+
+
+@pytest.mark.parametrize("max_batch_tokens, num_blocks", [(4, 8), (8, 7)])
+def test_a_running_prompt_short_of_its_fork_blocks_waits_for_them(qwen3, max_batch_tokens, num_blocks):
+    """A 3-sample prompt in chunked prefill beside a growing decode finds blocks for its last tokens but not for
+    the copies of its partial last block its fork needs: its chunk stops short of its last token until they can
+    be had, so no child writes a block it shares; every sample equals a roomy engine's."""
+    short, long = random_prompts(1, 512, (4, 4), seed=3)[0], random_prompts(1, 512, (18, 18), seed=4)[0]
+    params = [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
+              SamplingParams(n=3, temperature=0, max_new_tokens=3, ignore_eos=True)]
+    engine = make_engine(qwen3, block_size=4, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                         cpu_offload_gib=0)
+    rows = run(engine, [short, long], params)
+    roomy = run(make_engine(qwen3, block_size=4), [short, long], params)
+    assert {k: r["token_ids"] for k, r in rows.items()} == {k: r["token_ids"] for k, r in roomy.items()}
