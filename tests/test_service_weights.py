@@ -209,8 +209,9 @@ def test_killed_worker_is_replaced_with_the_current_weights(client, policies, st
     assert [r["token_ids"] for r in rows] == [hf_greedy(new, p) for p in prompts]
     assert all(r["policy_version"] == version for r in rows)
 
-    with pytest.raises(RuntimeError, match="call init_weight_sync"):
+    with pytest.raises(RuntimeError, match=r"the workers changed since init_weight_sync\(\) \(one was lost"):
         rollout.update_weights(states[old], version + 1, transport="broadcast")
+    assert versions(client) == {version}
     rollout.init_weight_sync()
     rollout.update_weights(states[old], version + 1, transport="broadcast")
     assert versions(client) == {version + 1}
@@ -274,11 +275,11 @@ def test_a_broadcast_over_a_replaced_group_is_refused_at_once(client, policies, 
     trainers): the workers are in the newer one only, so a broadcast over the older waited `timeout_s` for
     buckets sent to a group nobody listened to. It is refused before anything is sent."""
     older = rollout.init_weight_sync(timeout_s=5)
-    newer = client.init_weight_sync(timeout_s=5)
+    client.init_weight_sync(timeout_s=5)
     version = set_weights(policies[0])
     with pytest.raises(RuntimeError, match=r"replaced by a later init_weight_sync\(\)"):
         older.update_weights(states[policies[1]], version + 1)
     assert versions(client) == {version}
-    newer.update_weights(states[policies[1]], version + 1)
+    client.update_weights(states[policies[1]], version + 1, transport="broadcast")  # over the client's group
     assert versions(client) == {version + 1}
     assert greedy([PROMPT])[0]["token_ids"] == hf_greedy(policies[1], PROMPT)
