@@ -1,6 +1,6 @@
-"""A dead driver: when the process that called `sample` is killed mid-call, the service notices (it looks
-its callers up in Ray's GCS every `POLL_S`), aborts the call's requests on every worker and frees their
-blocks, and keeps serving."""
+"""A dead caller: when the process that called `sample` (a driver, or a trainer actor of a live job) is killed
+mid-call, the service notices (it looks its callers up in Ray's GCS every `POLL_S`), aborts the call's requests
+on every worker and frees their blocks, and keeps serving."""
 
 from __future__ import annotations
 
@@ -58,23 +58,45 @@ def test_a_killed_driver_has_its_call_aborted_and_blocks_freed(client):
             time.sleep(0.1)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)
-
-        deadline = time.monotonic() + 60
-        while True:
-            stats = client.stats()
-            if all(s["running"] == s["waiting"] == s["outstanding"] == 0 for s in stats.values()):
-                break
-            assert time.monotonic() < deadline, f"the dead driver's call still runs: {stats}"
-            time.sleep(0.2)
+        assert_aborted(client, before)
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """A trainer actor that starts a call and holds it open, reading nothing."""
+
+    def start(self, prompts: list[list[int]], n: int, new_tokens: int) -> None:
+        client = RolloutClient.connect(name="rollout", namespace="rollout")
+        self.stream = client.sample(prompts, n=n, max_new_tokens=new_tokens, ignore_eos=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_trainer_actor_has_its_call_aborted_while_its_job_lives(client):
+    """The job (this test's driver) lives on: only the caller's own worker record shows it dead."""
+    before = decoded(client)
+    trainer = Trainer.remote()
+    ray.get(trainer.start.remote(PROMPTS, SAMPLES, NEW_TOKENS), timeout=60)
+    ray.kill(trainer, no_restart=True)
+    assert_aborted(client, before)
+
+
+def assert_aborted(client: RolloutClient, before: int) -> None:
+    """The dead caller's call ends on every worker with its blocks freed, far short of the tokens it asked for
+    (`before` were decoded before it started), and the service serves on."""
+    deadline = time.monotonic() + 60
+    while True:
+        stats = client.stats()
+        if all(s["running"] == s["waiting"] == s["outstanding"] == 0 for s in stats.values()):
+            break
+        assert time.monotonic() < deadline, f"the dead caller's call still runs: {stats}"
+        time.sleep(0.2)
     for stats in client.stats().values():
         assert stats["blocks_free"] + stats["blocks_cached"] == stats["blocks_total"]
         assert stats["offloaded"] == 0
-    # aborted, not run to the end: far fewer tokens than the call asked for
     assert decoded(client) - before < len(PROMPTS) * SAMPLES * NEW_TOKENS / 2
-
     table = rollout.sample(PROMPTS[:2], n=2, max_new_tokens=4).to_table()
     assert table.num_rows == 4 and set(table.column("worker_id").to_pylist()) == {0, 1}
