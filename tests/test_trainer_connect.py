@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from rollout.config import load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from trainer_client import RolloutClient
 
 NAMESPACE = "rollout-connect-test"
+DEAD_WORKER = "ab" * 16  # the actor id of a service's worker that died
 
 
 @ray.remote(num_cpus=0, max_restarts=1)
@@ -48,6 +50,14 @@ class Failed:
         raise ValueError("engine.model='/nowhere' is not a model directory")
 
 
+@ray.remote(num_cpus=0)
+class WorkerDied:
+    """One of its workers died while its engine loaded."""
+
+    async def ready(self) -> int:
+        raise RayActorError(actor_id=DEAD_WORKER)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.3,
@@ -78,4 +88,15 @@ def test_a_service_that_failed_to_load_raises_its_error(cluster):
     with pytest.raises(ValueError, match="is not a model directory") as error:
         RolloutClient.connect(name="failed", namespace=NAMESPACE, timeout_s=10)
     assert error.type is ValueError  # not Ray's wrapper with the service's traceback
+    ray.kill(actor)
+
+
+@pytest.mark.timeout(60)
+def test_a_service_whose_worker_died_while_loading_raises_that_death(cluster):
+    """A worker's death is the service's failure to load, raised at once: not the death of the service itself,
+    which connect would wait out as a restart."""
+    actor = WorkerDied.options(name="worker-died", namespace=NAMESPACE).remote()
+    with pytest.raises(RayActorError) as error:
+        RolloutClient.connect(name="worker-died", namespace=NAMESPACE, timeout_s=10)
+    assert error.value.actor_id == DEAD_WORKER
     ray.kill(actor)
