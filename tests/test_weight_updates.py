@@ -6,6 +6,7 @@ is checked by replays only."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,3 +66,17 @@ def test_only_a_replay_checks_the_checkpoints_stamp():
     asyncio.run(updates.apply(pool, update(2, stamp)))
     assert [sent.stamp for sent in pool.sent] == [[]]
     assert updates.latest.stamp == stamp and updates.latest.version == 2
+
+
+def test_a_replacement_gets_the_latest_weights_before_it_takes_work():
+    """A fresh worker is admitted to routing only once it holds the latest update: admitted first, it could
+    make samples of a call in flight with the model's own weights."""
+    updates, events = WeightUpdates(CONFIG), []
+    updates.latest = update(2)
+
+    async def update_weights(sent: WeightUpdate) -> None:
+        events.append(("update", sent.version))
+
+    handle = SimpleNamespace(update_weights=SimpleNamespace(remote=update_weights))
+    asyncio.run(updates.replay(handle, lambda: events.append("admit")))
+    assert events == [("update", 2), "admit"]
