@@ -3,10 +3,13 @@ bookkeeping of preempted, forked and aborted samples, each pinned through the pu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from rollout import SamplingParams
 from tests.conftest import assert_nothing_leaked, make_engine, random_prompts, run
+from workers.engine.sampler import filtered_logits, inverse_cdf, sampling_arrays, sampling_batch
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
@@ -89,3 +92,67 @@ def test_a_running_prompt_short_of_its_fork_blocks_waits_for_them(qwen3, max_bat
     rows = run(engine, [short, long], params)
     roomy = run(make_engine(qwen3, block_size=4), [short, long], params)
     assert {k: r["token_ids"] for k, r in rows.items()} == {k: r["token_ids"] for k, r in roomy.items()}
+
+
+def test_a_preempted_request_waits_first_in_line(qwen3):
+    """Request 1, preempted for recompute while request 2 still waits for a place, is readmitted before it, so
+    it is preempted once and finishes before request 2."""
+    engine = make_engine(qwen3, block_size=4, num_blocks=8, max_num_seqs=2, cpu_offload_gib=0)
+    for i, prompt in enumerate(random_prompts(3, 512, (8, 8), seed=6)):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), prompt_index=i)
+    rows = []
+    while engine.has_unfinished():
+        rows += engine.step()
+    assert [(r["prompt_index"], r["num_preemptions"]) for r in rows] == [(0, 0), (1, 1), (2, 0)]
+
+
+def filtered(logits: list[list[float]], values: list[tuple[float, int, float, float, bool]]) -> torch.Tensor:
+    """`filtered_logits` of rows `logits` under per-row sampling values (as `Group.sampling_values`)."""
+    rows = np.array(values, np.float64)
+    arrays, flags = sampling_arrays(rows, np.zeros(len(rows), np.uint64), np.zeros(len(rows), np.int64))
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    return filtered_logits(torch.tensor(logits), sampling_batch(tensors, flags))
+
+
+def test_top_k_keeps_each_rows_own_k_beside_a_larger_one():
+    """Rows of one step with different `top_k` keep their own k tokens each (the k-th largest is read from the
+    step's top max_top_k)."""
+    logits = [[float(v) for v in range(8)]] * 3
+    kept = filtered(logits, [(1.0, 2, 1.0, 0.0, False), (1.0, 5, 1.0, 0.0, False), (1.0, 0, 1.0, 0.0, False)])
+    assert kept.isfinite().sum(dim=-1).tolist() == [2, 5, 8]
+
+
+def test_top_p_keeps_the_fewest_tokens_that_reach_it():
+    """Four equally likely tokens under top_p=0.5: the first two reach it exactly, so the third is dropped."""
+    kept = filtered([[0.0] * 4], [(1.0, 0, 0.5, 0.0, False)])
+    assert kept.isfinite().tolist() == [[True, True, False, False]]
+
+
+def test_a_continue_update_keeps_the_kv_of_decoding_samples(qwen3):
+    """Samples already decoding when a "continue" update lands go on from their KV: nothing of theirs is computed
+    again (only prompts in prefill, and contexts part way through a recompute, restart)."""
+    engine = make_engine(qwen3, block_size=4)
+    prompt = random_prompts(1, 512, (10, 10), seed=24)[0]
+    engine.add_request(prompt, SamplingParams(n=2, temperature=0, max_new_tokens=8, ignore_eos=True))
+    rows = engine.step() + engine.step() + engine.step()
+    engine.update_weights(engine.state_dict(), version=1)
+    while engine.has_unfinished():
+        rows += engine.step()
+    stats = engine.stats()
+    assert len(rows) == 2 and all(r["policy_version"] == 1 for r in rows)
+    assert (stats["prefill_tokens"], stats["recomputed_tokens"], stats["decode_tokens"]) == (10, 0, 2 * 7)
+
+
+def test_min_p_keeps_tokens_exactly_at_its_threshold():
+    """min_p drops tokens less likely than min_p times the top one: at min_p=1 the tokens tied with the top stay."""
+    kept = filtered([[0.0, 0.0, -1.0]], [(1.0, 0, 1.0, 1.0, False)])
+    assert kept.isfinite().tolist() == [[True, True, False]]
+
+
+def test_inverse_cdf_never_draws_a_token_without_mass():
+    """A uniform of exactly 0 (one draw in 2**53) takes the first token with mass, even past whole chunks and
+    tokens of zero probability, as does every other uniform."""
+    probs = torch.zeros(3, 200)
+    probs[:, 100], probs[:, 150] = 0.25, 0.75
+    tokens = inverse_cdf(probs, torch.tensor([0.0, 0.2, 0.9], dtype=torch.float64))
+    assert tokens.tolist() == [100, 100, 150]
