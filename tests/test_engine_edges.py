@@ -9,7 +9,8 @@ import torch
 
 from rollout import SamplingParams
 from tests.conftest import assert_nothing_leaked, make_engine, random_prompts, run
-from workers.engine.sampler import filtered_logits, inverse_cdf, sampling_arrays, sampling_batch
+from workers.engine.block_pool import prompt_hash
+from workers.engine.sampler import filtered_logits, inverse_cdf, sample_key, sampling_arrays, sampling_batch, uniforms
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
@@ -156,3 +157,23 @@ def test_inverse_cdf_never_draws_a_token_without_mass():
     probs[:, 100], probs[:, 150] = 0.25, 0.75
     tokens = inverse_cdf(probs, torch.tensor([0.0, 0.2, 0.9], dtype=torch.float64))
     assert tokens.tolist() == [100, 100, 150]
+
+
+def test_a_greedy_sample_reports_raw_logprobs_beside_sampled_ones(qwen3):
+    """A greedy sample with filters set reports the model's own logprobs, also in a step whose other rows sample
+    (and report processed ones): the same as when it runs alone."""
+    prompt, other = random_prompts(2, 512, (12, 12), seed=25)
+    greedy = SamplingParams(temperature=0, top_k=2, top_p=0.5, max_new_tokens=4, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=4, ignore_eos=True, seed=0)
+    mixed = run(make_engine(qwen3), [prompt, other], [greedy, sampled])[(0, 0)]
+    alone = run(make_engine(qwen3), [prompt], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))[(0, 0)]
+    assert mixed["token_ids"] == alone["token_ids"]
+    assert mixed["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-5)
+
+
+def test_seeded_noise_differs_between_prompts():
+    """The noise of a seeded sample is keyed by its prompt too: two prompts under one seed draw different
+    uniforms at every position."""
+    positions = np.arange(64, dtype=np.uint64)
+    a, b = (uniforms(np.full(64, sample_key(7, prompt_hash(p), 0), np.uint64), positions) for p in ([5, 6], [5, 7]))
+    assert not np.isclose(a, b).any()
