@@ -177,3 +177,17 @@ def test_seeded_noise_differs_between_prompts():
     positions = np.arange(64, dtype=np.uint64)
     a, b = (uniforms(np.full(64, sample_key(7, prompt_hash(p), 0), np.uint64), positions) for p in ([5, 6], [5, 7]))
     assert not np.isclose(a, b).any()
+
+
+def test_a_finish_drain_admits_no_queued_request(qwen3):
+    """A "finish" update drains the started samples on the old weights but admits nothing new, even when one
+    ends and frees room while another still drains: the request queued behind them runs on the new weights."""
+    engine = make_engine(qwen3, max_num_seqs=2)
+    for i, (prompt, new) in enumerate(zip(random_prompts(3, 512, (8, 8), seed=26), (2, 8, 4))):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True), prompt_index=i)
+    rows = engine.step()
+    rows += engine.update_weights(engine.state_dict(), version=1, mode="finish")
+    assert sorted((r["prompt_index"], r["policy_version"]) for r in rows) == [(0, 0), (1, 0)]
+    while engine.has_unfinished():
+        rows += engine.step()
+    assert (rows[2]["prompt_index"], rows[2]["first_policy_version"]) == (2, 1)
