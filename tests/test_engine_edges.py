@@ -34,13 +34,15 @@ def test_a_block_completed_by_the_last_prefill_step_is_cached(qwen3, length):
 def test_the_newest_request_is_preempted_and_every_sample_forked_after_reports_it(qwen3):
     """Blocks run short while a 2-sample prompt, admitted after a long decode, is still in prefill: the newest
     request (the prompt) is preempted and recomputed, never the older decode, and both samples forked from the
-    prompt afterwards report that preemption; tokens are those of a roomy engine."""
+    prompt afterwards report that preemption; its computed-again tokens are counted as recomputed; tokens are
+    those of a roomy engine."""
     short, long = random_prompts(1, 512, (4, 4), seed=3)[0], random_prompts(1, 512, (24, 24), seed=4)[0]
     params = [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
               SamplingParams(n=2, temperature=0, max_new_tokens=2, ignore_eos=True)]
     tight = make_engine(qwen3, block_size=4, num_blocks=8, max_batch_tokens=4, cpu_offload_gib=0)
     rows = run(tight, [short, long], params)
-    assert tight.stats()["recomputes"] > 0
+    stats = tight.stats()
+    assert stats["recomputes"] > 0 and stats["recomputed_tokens"] > 0, "a context computed again counts apart"
     assert rows[(0, 0)]["num_preemptions"] == 0
     assert rows[(1, 0)]["num_preemptions"] == rows[(1, 1)]["num_preemptions"] == 1
     roomy = run(make_engine(qwen3, block_size=4), [short, long], params)
