@@ -193,3 +193,54 @@ def test_a_finish_drain_admits_no_queued_request(qwen3):
     while engine.has_unfinished():
         rows += engine.step()
     assert (rows[2]["prompt_index"], rows[2]["first_policy_version"]) == (2, 1)
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_token_ends_with_stop(qwen3):
+    """A sample whose stop token comes exactly at `max_new_tokens` ends for "stop", not "length"."""
+    prompt = random_prompts(1, 512, (8, 8), seed=27)[0]
+    free = run(make_engine(qwen3), [prompt], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+    tokens = free[(0, 0)]["token_ids"]
+    assert tokens[3] not in tokens[:3]
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True, stop_token_ids=[tokens[3]])
+    row = run(make_engine(qwen3), [prompt], params)[(0, 0)]
+    assert (row["token_ids"], row["finish_reason"]) == (tokens[:4], "stop")
+
+
+def test_abort_of_a_prompt_in_prefill_returns_a_row_per_wanted_sample(qwen3):
+    """Aborting a 3-sample prompt still in chunked prefill (not forked yet) returns its 3 rows, and forgets it."""
+    engine = make_engine(qwen3, max_batch_tokens=16)
+    request = engine.add_request(random_prompts(1, 512, (40, 40), seed=28)[0],
+                                 SamplingParams(n=3, max_new_tokens=4, ignore_eos=True))
+    assert engine.step() == []
+    rows = engine.abort(request)
+    assert sorted((r["sample_index"], r["finish_reason"], len(r["token_ids"])) for r in rows) == [
+        (0, "abort", 0), (1, "abort", 0), (2, "abort", 0)]
+    assert_nothing_leaked(engine)
+
+
+def test_without_async_batching_a_step_returns_the_rows_it_finished(qwen3):
+    """With async batching off, the step that samples a request's last token returns its row."""
+    engine = make_engine(qwen3, async_batching=False)
+    engine.add_request(random_prompts(1, 512, (8, 8), seed=29)[0], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert [len(r["token_ids"]) for r in engine.step()] == [1]
+    assert not engine.has_unfinished()
+
+
+def test_an_interrupted_generate_drops_rows_its_abort_collected(qwen3, monkeypatch):
+    """With async batching, Ctrl-C in the step after the one that finished a sample: the abort collects that
+    step, and its row, this call's, never comes out of the next call."""
+    engine = make_engine(qwen3, async_batching=True)
+    step, calls = engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(random_prompts(2, 512, (8, 8), seed=30), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    monkeypatch.setattr(engine, "step", step)
+    table = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert table.num_rows == 1 and table.column("prompt_token_ids").to_pylist() == [[5, 6, 7]]
