@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import assert_nothing_leaked, make_engine, random_prompts, run
+from tests.conftest import assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
 from workers.engine.block_pool import prompt_hash
 from workers.engine.sampler import filtered_logits, inverse_cdf, sample_key, sampling_arrays, sampling_batch, uniforms
 
@@ -244,3 +244,13 @@ def test_an_interrupted_generate_drops_rows_its_abort_collected(qwen3, monkeypat
     monkeypatch.setattr(engine, "step", step)
     table = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert table.num_rows == 1 and table.column("prompt_token_ids").to_pylist() == [[5, 6, 7]]
+
+
+def test_a_cpu_pool_exactly_the_size_of_the_victim_takes_it(qwen3):
+    """The preempted request holds 3 blocks and the CPU pool has exactly 3: it is offloaded, not recomputed."""
+    engine = make_engine(qwen3, block_size=4, num_blocks=7, cpu_offload_gib=3 * gib_per_block(qwen3, 4),
+                         enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    run(engine, random_prompts(2, 512, (8, 8), seed=6), params)
+    stats = engine.stats()
+    assert (stats["cpu_blocks_total"], stats["offloads"], stats["restores"], stats["recomputes"]) == (3, 1, 1, 0)
