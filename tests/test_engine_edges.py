@@ -11,6 +11,7 @@ from rollout import SamplingParams
 from tests.conftest import assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
 from workers.engine.block_pool import prompt_hash
 from workers.engine.sampler import filtered_logits, inverse_cdf, sample_key, sampling_arrays, sampling_batch, uniforms
+from workers.engine.staging import Staging
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
@@ -254,3 +255,25 @@ def test_a_cpu_pool_exactly_the_size_of_the_victim_takes_it(qwen3):
     run(engine, random_prompts(2, 512, (8, 8), seed=6), params)
     stats = engine.stats()
     assert (stats["cpu_blocks_total"], stats["offloads"], stats["restores"], stats["recomputes"]) == (3, 1, 1, 0)
+
+
+@pytest.mark.parametrize("mode, new_tokens", [("continue", 1), ("finish", 3)])
+def test_an_update_returns_the_rows_of_samples_ended_in_steps_in_flight(qwen3, mode, new_tokens):
+    """With async batching, rows of samples that end in the step in flight when an update lands, or in the last
+    step of a "finish" drain, come back from `update_weights` itself, every step collected before the copy."""
+    engine = make_engine(qwen3, async_batching=True)
+    engine.add_request(random_prompts(1, 512, (8, 8), seed=31)[0],
+                       SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    assert engine.step() == []
+    rows = engine.update_weights(engine.state_dict(), version=1, mode=mode)
+    assert [(len(r["token_ids"]), r["policy_version"]) for r in rows] == [(new_tokens, 0)]
+    assert not engine.has_unfinished()
+
+
+def test_staged_arrays_are_16_byte_aligned():
+    """Packed into one buffer, each array's view starts 16-byte aligned whatever the sizes before it (Triton
+    kernels are compiled for aligned pointers)."""
+    views = Staging(torch.device("cpu"), pack=True).send(
+        {"a": np.arange(3, dtype=np.uint8), "b": np.arange(5, dtype=np.int64), "c": np.ones(2, np.float32)})
+    assert all(v.data_ptr() % 16 == 0 for v in views.values())
+    assert [v.tolist() for v in views.values()] == [[0, 1, 2], [0, 1, 2, 3, 4], [1.0, 1.0]]
