@@ -162,16 +162,18 @@ def test_inverse_cdf_never_draws_a_token_without_mass():
     assert tokens.tolist() == [100, 100, 150]
 
 
-def test_a_greedy_sample_reports_raw_logprobs_beside_sampled_ones(qwen3):
-    """A greedy sample with filters set reports the model's own logprobs, also in a step whose other rows sample
-    (and report processed ones): the same as when it runs alone."""
-    prompt, other = random_prompts(2, 512, (12, 12), seed=25)
-    greedy = SamplingParams(temperature=0, top_k=2, top_p=0.5, max_new_tokens=4, ignore_eos=True)
+def test_greedy_samples_beside_sampled_ones_take_the_argmax_and_report_raw_logprobs(qwen3):
+    """Greedy samples, with filters set or not, take the argmax and report the model's own logprobs also in a
+    step whose other rows sample (and report processed ones): the same as when they run alone."""
+    prompts = random_prompts(3, 512, (12, 12), seed=25)
+    plain = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    filters = SamplingParams(temperature=0, top_k=2, top_p=0.5, max_new_tokens=4, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=4, ignore_eos=True, seed=0)
-    mixed = run(make_engine(qwen3), [prompt, other], [greedy, sampled])[(0, 0)]
-    alone = run(make_engine(qwen3), [prompt], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))[(0, 0)]
-    assert mixed["token_ids"] == alone["token_ids"]
-    assert mixed["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-5)
+    mixed = run(make_engine(qwen3), prompts, [filters, plain, sampled])
+    alone = run(make_engine(qwen3), prompts[:2], plain)
+    for i in range(2):
+        assert mixed[(i, 0)]["token_ids"] == alone[(i, 0)]["token_ids"]
+        assert mixed[(i, 0)]["logprobs"] == pytest.approx(alone[(i, 0)]["logprobs"], abs=1e-5)
 
 
 def test_seeded_noise_differs_between_prompts():
