@@ -3,6 +3,8 @@ cache; one that it refuses names the limit it is past."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from rollout import SamplingParams
@@ -59,3 +61,24 @@ def test_requests_that_each_need_the_whole_cache_complete_together(model_dir, pr
     assert {k: list(r["token_ids"]) for k, r in got.items()} == {k: list(r["token_ids"]) for k, r in want.items()}
     assert [len(got[i, 0]["token_ids"]) for i in range(3)] == [1, 14, 19]
     assert engine.stats()["recomputes"] + engine.stats()["offloads"] > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_restores_stay_within_max_batch_tokens(model_dir, seed):
+    """With max_batch_tokens below max_num_seqs, the samples restored from the CPU pool in one step never take it
+    past max_batch_tokens (the rest wait a step: restored past it, a step made 3 tokens, or failed), and the
+    seeded samples are a roomy engine's."""
+    path, rng = model_dir(), random.Random(seed)
+    prompts, params = [], []
+    for _ in range(3):
+        prompts.append([rng.randrange(5, 100) for _ in range(rng.randrange(3, 8))])
+        params.append(SamplingParams(n=rng.choice([2, 4]), max_new_tokens=rng.randrange(8, 16), ignore_eos=True,
+                                     seed=seed))
+    config = dict(block_size=4, max_model_len=24, max_num_seqs=8)
+    want = run(make_engine(path, **config), prompts, params)
+    engine = make_engine(path, num_blocks=8, max_batch_tokens=2, cpu_offload_gib=4 * gib_per_block(path, 4), **config)
+    schedule, step_tokens = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: step_tokens.append(sum((batch := schedule()).num_tokens)) or batch
+    got = run(engine, prompts, params)
+    assert {k: list(r["token_ids"]) for k, r in got.items()} == {k: list(r["token_ids"]) for k, r in want.items()}
+    assert max(step_tokens) == 2 and engine.stats()["restores"] > 0
