@@ -68,7 +68,8 @@ def test_autotuning_results_are_seeded_and_brought_back(tmp_path):
         assert archive.getnames() == ["./0a1b/chunk_fwd_kernel.autotune.json"]
 
 
-@pytest.mark.parametrize("failing", ["test_triton_kernels.py", "bench_norm.py", "bench_pin.py", "bench_gpu.py", "test_fla.py"])
+@pytest.mark.parametrize("failing", [
+    "test_triton_kernels.py", "bench_norm.py", "bench_pin.py", "bench_gpu.py", "test_fla.py"])
 def test_a_failing_step_fails_the_check(tmp_path, failing):
     rc, steps, out = run_check(tmp_path, fail=failing)
     assert rc == 1, out
