@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -110,6 +112,26 @@ def assert_nothing_leaked(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["blocks_free"] + stats["blocks_cached"] == stats["blocks_total"]
     assert not engine.groups
+
+
+@contextmanager
+def ctrl_c_at_step(engine: Engine, n: int) -> Iterator[None]:
+    """Within the block, the `n`-th call of `engine.step` raises KeyboardInterrupt (Ctrl-C), which the block
+    must end with; afterwards `step` is the engine's own again."""
+    step, calls = engine.step, []
+
+    def interrupted() -> list[dict]:
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return step()
+
+    engine.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        del engine.step
 
 
 def hf_model(path: str) -> transformers.PreTrainedModel:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from tests.conftest import assert_nothing_leaked, gib_per_block, make_engine, random_prompts, run
+from tests.conftest import assert_nothing_leaked, ctrl_c_at_step, gib_per_block, make_engine, random_prompts, run
 from workers.engine.block_pool import prompt_hash
 from workers.engine.sampler import filtered_logits, inverse_cdf, sample_key, sampling_arrays, sampling_batch, uniforms
 from workers.engine.staging import Staging
@@ -229,22 +229,12 @@ def test_without_async_batching_a_step_returns_the_rows_it_finished(qwen3):
     assert not engine.has_unfinished()
 
 
-def test_an_interrupted_generate_drops_rows_its_abort_collected(qwen3, monkeypatch):
+def test_an_interrupted_generate_drops_rows_its_abort_collected(qwen3):
     """With async batching, Ctrl-C in the step after the one that finished a sample: the abort collects that
     step, and its row, this call's, never comes out of the next call."""
     engine = make_engine(qwen3, async_batching=True)
-    step, calls = engine.step, []
-
-    def interrupted():
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return step()
-
-    monkeypatch.setattr(engine, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_at_step(engine, 2):
         engine.generate(random_prompts(2, 512, (8, 8), seed=30), SamplingParams(max_new_tokens=1, ignore_eos=True))
-    monkeypatch.setattr(engine, "step", step)
     table = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert table.num_rows == 1 and table.column("prompt_token_ids").to_pylist() == [[5, 6, 7]]
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollout import SamplingParams
-from tests.conftest import hf_greedy, hf_model, make_engine, random_prompts, run
+from tests.conftest import ctrl_c_at_step, hf_greedy, hf_model, make_engine, random_prompts, run
 from workers.engine import weight_swap
 from workers.engine.weights import check_weights, load_source
 from workers.weight_format import checkpoint_tensors
@@ -201,7 +201,7 @@ def test_mode_finish_drains_on_old_weights(policies):
     assert all(rest[(1, s)]["policy_version"] == 3 for s in range(2))
 
 
-def test_a_finish_drain_stopped_by_ctrl_c_loses_no_row(policies, monkeypatch):
+def test_a_finish_drain_stopped_by_ctrl_c_loses_no_row(policies):
     """Ctrl-C during a "finish" drain: the samples that ended in it come back from the next step; the
     weights stay the old ones and the rest of the samples finish on them."""
     old, new = policies
@@ -213,18 +213,8 @@ def test_a_finish_drain_stopped_by_ctrl_c_loses_no_row(policies, monkeypatch):
     rows = {}
     for _ in range(3):
         rows.update(((r["prompt_index"], r["sample_index"]), r) for r in engine.step())
-    step, calls = engine.step, []
-
-    def stopped_step():
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return step()
-
-    monkeypatch.setattr(engine, "step", stopped_step)
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_at_step(engine, 4):
         engine.update_weights(new, version=1, mode="finish")
-    monkeypatch.setattr(engine, "step", step)
     rows = finish(engine, rows)
     assert sorted(rows) == [(0, 0), (1, 0)] and engine.policy_version == 0
     assert [rows[(i, 0)]["token_ids"] for i in range(2)] == [hf_greedy(old, p, n) for p, n in zip(prompts, [5, 9])]
