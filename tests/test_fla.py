@@ -120,11 +120,13 @@ def test_with_fla_installed(zoo_dir, name):
 
 
 def _logprobs(model, ids: torch.Tensor, piece: int) -> torch.Tensor:
-    """Each position's logprobs with `ids` fed `piece` tokens a call through the model's cache."""
+    """Each position's logprobs with `ids` fed `piece` tokens a call through the model's cache (`cache` from
+    transformers 5.24; `past_key_values`, deprecated there, goes in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache, out = None, []
     for start in range(0, ids.shape[1], piece):
-        result = model(ids[:, start:start + piece], past_key_values=cache, use_cache=True)
-        cache = result.past_key_values
+        result = model(ids[:, start:start + piece], use_cache=True, **{name: cache})
+        cache = result[name]
         out.append(torch.log_softmax(result.logits[0].double(), -1))
     return torch.cat(out)
 
