@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-PAGE = mmap.PAGESIZE
+from workers.engine.memory import PAGE, pin_pages, unpin_pages
+
 ROW = "{:<16} {:>9} {:>11} {:>9} {:>14}"
 
 
@@ -53,13 +54,11 @@ def fault_in(pages: torch.Tensor, threads: int) -> float:
 
 
 def register(pages: torch.Tensor) -> float:
-    """Seconds cudaHostRegister takes to lock `pages` (0 without CUDA)."""
+    """Seconds the engine's `pin_pages` takes to lock `pages` (0 without CUDA)."""
     if not torch.cuda.is_available():
         return 0.0
     start = time.perf_counter()
-    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {pages.numel()} bytes failed with CUDA error {int(err)}")
+    pin_pages(pages)
     return time.perf_counter() - start
 
 
@@ -85,7 +84,7 @@ def mapped_row(name: str, nbytes: int, threads: int, huge: bool) -> tuple:
     lock = register(pages)
     rate = copy_rate(pages)
     if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
+        unpin_pages(pages.data_ptr(), torch.device("cuda"))
     return name, touch, lock, rate
 
 

@@ -104,15 +104,20 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         return torch.empty(shape, dtype=dtype)
     locked = cdiv(nbytes, PAGE) * PAGE
     pages = torch.frombuffer(mmap.mmap(-1, locked, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
-    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), locked, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {locked} bytes failed with CUDA error {int(err)}")
+    pin_pages(pages)
     tensor = pages[:nbytes].view(dtype).view(shape)
-    weakref.finalize(tensor, _unpin, pages.data_ptr(), device)
+    weakref.finalize(tensor, unpin_pages, pages.data_ptr(), device)
     return tensor
 
 
-def _unpin(address: int, device: torch.device) -> None:
+def pin_pages(pages: torch.Tensor) -> None:
+    """Page-lock `pages` (uint8, whole pages) with cudaHostRegister, which faults each page in first."""
+    err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {pages.numel()} bytes failed with CUDA error {int(err)}")
+
+
+def unpin_pages(address: int, device: torch.device) -> None:
     """Unlock pages once `device` has finished every copy queued on them (a dropped CPU pool may still
     have offloads in flight on its copy stream)."""
     torch.cuda.synchronize(device)
