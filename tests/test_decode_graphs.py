@@ -6,6 +6,7 @@ bucket) that the replay check catches."""
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -99,6 +100,38 @@ def test_graphs_off_when_the_decode_step_waits_on_the_host(model_dir, monkeypatc
     engine = make_engine(model_dir())
     assert engine.runner.graphs is None and not engine.runner.decode_graphs
     assert samples(engine) == want
+
+
+def test_capture_runs_with_the_collector_paused_after_collecting():
+    """Garbage is collected (finalizers run) before capture starts, and none while it runs: a finalizer
+    that syncs the device mid-capture invalidates the graph. The collector's state is restored, also after
+    an error."""
+    finalized = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            finalized.append(gc.isenabled())
+
+    Cycle()
+    with graphs.collector_paused():
+        assert finalized == [True] and not gc.isenabled()
+        Cycle()
+        garbage = [[] for _ in range(100_000)]  # far past the collector's thresholds
+        assert finalized == [True] and garbage
+    assert gc.isenabled()
+    with pytest.raises(KeyError), graphs.collector_paused():
+        raise KeyError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with graphs.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,11 +1,12 @@
 """The GPU-shaped step on a real GPU: one host wait per decode step (eager and through decode graphs,
 with and without async batching, in steps that offload or restore, and with a linear-attention hybrid's
-state slots, also in steps that fork its prompts), decode graphs captured at start
-and replaying like the eager forward, automatic sizing within the card's budget, and an exact-size pinned
-CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
+state slots, also in steps that fork its prompts), decode graphs captured at start (also after an engine
+dropped in a reference cycle) and replaying like the eager forward, automatic sizing within the card's budget,
+and an exact-size pinned CPU pool. Skipped without CUDA (scripts/gpu_check.sh runs it)."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Callable
 
@@ -128,6 +129,25 @@ def test_offload_and_restore_add_no_host_wait(model_dir, monkeypatch, async_batc
     moved = offloader.offloads + offloader.restores
     assert decode_syncs(engine, 40, monkeypatch) == [1] * 40
     assert offloader.offloads + offloader.restores - moved >= 5, "too few copies to tell anything"
+    engine.check_integrity()
+
+
+def test_an_engine_dropped_in_a_cycle_does_not_break_the_next_capture(model_dir):
+    """A dropped engine whose pinned CPU pool only the cyclic collector frees: its finalizer syncs the
+    device, which mid-capture invalidated the next engine's graph (the tenth GPU session's first failure,
+    torch 2.11). A threshold of 1 makes the collector run at nearly every allocation of the capture."""
+    config = EngineConfig(model=model_dir(), device="cuda", num_blocks=24, max_num_seqs=4, cpu_offload_gib=0.01)
+    dropped = Engine(config)
+    dropped.me = dropped
+    del dropped
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        engine = Engine(config)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert engine.runner.graphs.num_captured > 0 and engine.cpu_pool.num_blocks > 0
+    run(engine, random_prompts(3, 512, (5, 30), seed=6), SamplingParams(n=2, temperature=0.8, max_new_tokens=24))
     engine.check_integrity()
 
 

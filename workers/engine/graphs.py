@@ -19,12 +19,14 @@ refilled and the forward runs with the metadata its key was given at "capture", 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +82,21 @@ def _set_sync_debug_mode(mode: str | int) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
         torch.cuda.set_sync_debug_mode(mode)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect garbage now, then keep Python's cyclic collector off until the block ends. A finalizer the
+    collector runs mid-capture (a dropped engine's CPU pool syncs the device before unpinning it) would
+    invalidate the capture; torch 2.11's `torch.cuda.graph` no longer collects before capturing."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def host_sync_message(err: BaseException) -> str:
@@ -167,6 +184,18 @@ class DecodeGraphs:
         reserved = torch.cuda.memory_reserved(self.runner.device) if cuda else 0
         start = time.perf_counter()
         captured: dict[tuple, _Graph] = {}
+        with collector_paused() if cuda else contextlib.nullcontext():
+            self._capture_keys(captured)
+        seconds, self.num_captured = time.perf_counter() - start, len(captured)
+        how = (f"captured, reserving {(torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**30:.2f} GiB"
+               if cuda else "set up (run eagerly on the CPU)")
+        logger.info("decode graphs: %d %s for %d keys in %.2f s, %.2f s of it warm-up launches (batch buckets %s, "
+                    "KV buckets %s)", len(captured), how, len(self.graphs), seconds, self.warmup_s, self.batch_sizes,
+                    self.kv_sizes)
+        return seconds
+
+    def _capture_keys(self, captured: dict[tuple, _Graph]) -> None:
+        """Fill `self.graphs` with every key's graph, captured once per distinct (batch, backend scalars)."""
         for batch in reversed(self.batch_sizes):
             for kv in reversed(self.kv_sizes):
                 meta = AttentionMetadata(self.slots[:batch], self.cu_seqlens_q[:batch + 1], self.seq_lens[:batch],
@@ -178,13 +207,6 @@ class DecodeGraphs:
                 if scalars not in captured:
                     captured[scalars] = self._capture(batch, meta)
                 self.graphs[graph_key(batch, kv)] = captured[scalars]
-        seconds, self.num_captured = time.perf_counter() - start, len(captured)
-        how = (f"captured, reserving {(torch.cuda.memory_reserved(self.runner.device) - reserved) / 2**30:.2f} GiB"
-               if cuda else "set up (run eagerly on the CPU)")
-        logger.info("decode graphs: %d %s for %d keys in %.2f s, %.2f s of it warm-up launches (batch buckets %s, "
-                    "KV buckets %s)", len(captured), how, len(self.graphs), seconds, self.warmup_s, self.batch_sizes,
-                    self.kv_sizes)
-        return seconds
 
     def _capture(self, batch: int, meta: AttentionMetadata) -> _Graph:
         """The graph of one key: its metadata, and on CUDA its launches, after a warm-up run that compiles

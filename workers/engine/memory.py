@@ -119,6 +119,9 @@ def pin_pages(pages: torch.Tensor) -> None:
 
 def unpin_pages(address: int, device: torch.device) -> None:
     """Unlock pages once `device` has finished every copy queued on them (a dropped CPU pool may still
-    have offloads in flight on its copy stream)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.cudart().cudaHostUnregister(address)
+    have offloads in flight on its copy stream). They are unlocked even if the sync fails: pages left
+    registered when their mapping goes would fail a later cudaHostRegister at the same address."""
+    try:
+        torch.cuda.synchronize(device)
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(address)
