@@ -244,7 +244,8 @@ ZOO: dict[str, tuple[type, dict]] = {
     "lfm3": (getattr(tf, "Lfm3Config", None), {**_WINDOWED, "layer_types": [
         "conv", "full_attention", "conv", "sliding_attention"]}),
     "granitemoehybrid": (tf.GraniteMoeHybridConfig, {**_LLAMA_LIKE, "layer_types": ["mamba", "attention"],
-                                                     "mamba_n_heads": 4, "mamba_d_head": 16}),
+                                                     "mamba_n_heads": 4, "mamba_d_head": 16,
+                                                     "num_local_experts": 4, "num_experts_per_tok": 2}),
     "bamba": (tf.BambaConfig, {**_LLAMA_LIKE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16}),
     "falcon_h1": (tf.FalconH1Config, {**_LLAMA_LIKE, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64,
                                       "mamba_d_state": 8}),  # attention and Mamba side by side in every layer
