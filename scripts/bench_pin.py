@@ -1,11 +1,12 @@
 """How long pinning the CPU pool takes, and where the time goes.
 
 The engine pins its CPU pool with `workers.engine.memory.pinned_empty`: a fresh anonymous mapping, registered
-with cudaHostRegister, which faults every page in (and the kernel zeroes it) before locking it. Pinning 16 GiB
-took 6.0-6.3 s of an engine's start-up on an H200 (docs/benchmarks.md, ninth GPU session). Ways compared, each
-on a fresh mapping of --gib GiB:
-  register         the engine's way: cudaHostRegister faults the pages in itself
-  touch xT         the pages written first by T threads, then registered
+with cudaHostRegister. Registering faults every page in (and the kernel zeroes it) one by one before locking it:
+pinning 16 GiB that way took 6.0-6.3 s of an engine's start-up on an H200 (docs/benchmarks.md, ninth GPU session).
+Ways compared, each on a fresh mapping of --gib GiB:
+  register         cudaHostRegister faults the pages in itself (the engine's way until the tenth GPU session)
+  touch xT         the pages written first by T threads (`fault_in`), then registered: the engine's way now for
+                   pools of 64 MiB or more, on min(16, CPUs) threads
   hugepage         transparent huge pages asked for (madvise), written by the most threads, then registered
   cudaHostAlloc    torch's pinned allocator (sizes rounded up to a power of two), for reference
 Each row: seconds faulting the pages in, seconds registering, GiB/s overall, and the host-to-device copy rate
@@ -19,11 +20,10 @@ from __future__ import annotations
 import argparse
 import mmap
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from workers.engine.memory import PAGE, pin_pages, unpin_pages
+from workers.engine.memory import PAGE, fault_in, pin_pages, unpin_pages
 
 ROW = "{:<16} {:>9} {:>11} {:>9} {:>14}"
 
@@ -45,11 +45,10 @@ def fresh_pages(nbytes: int, huge: bool) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def fault_in(pages: torch.Tensor, threads: int) -> float:
-    """Seconds `threads` threads take to write one byte of every page (torch releases the GIL meanwhile)."""
+def timed_fault_in(pages: torch.Tensor, threads: int) -> float:
+    """Seconds the engine's `fault_in` takes on `threads` threads to write one byte of every page."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda chunk: chunk[::PAGE].fill_(0), pages.chunk(16 * threads)))
+    fault_in(pages, threads)
     return time.perf_counter() - start
 
 
@@ -80,7 +79,7 @@ def copy_rate(pages: torch.Tensor) -> float:
 def mapped_row(name: str, nbytes: int, threads: int, huge: bool) -> tuple:
     """One way through a fresh mapping: faulted in by `threads` threads first (0: by the registration)."""
     pages = fresh_pages(nbytes, huge)
-    touch = fault_in(pages, threads) if threads else 0.0
+    touch = timed_fault_in(pages, threads) if threads else 0.0
     lock = register(pages)
     rate = copy_rate(pages)
     if torch.cuda.is_available():

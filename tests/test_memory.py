@@ -96,6 +96,47 @@ def test_cpu_pool_copies_round_trip_runs_and_scattered_slots():
         assert torch.equal(cache[:, :, dst], original[:, :, src])
 
 
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_fault_in_writes_every_page(threads):
+    """Chunks not aligned to pages (37 pages in 16 chunks a thread, shorter than a page with 3 threads or more)
+    leave no page unwritten, and only a byte of a page or of a chunk is written."""
+    pages = torch.full((37 * memory.PAGE,), 7, dtype=torch.uint8)
+    memory.fault_in(pages, threads)
+    assert pages.view(-1, memory.PAGE).eq(0).any(1).all()
+    assert pages.eq(0).sum() <= 37 + 16 * threads
+
+
+class StubCudart:
+    """cudaHostRegister/cudaHostUnregister as calls recorded into `log`, for `pinned_empty` on the CPU."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.log.append(("register", nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.log.append(("unregister", address))
+        return 0
+
+
+@pytest.mark.parametrize("nbytes, threaded", [(memory.THREADED_FAULT_BYTES, True),
+                                              (memory.THREADED_FAULT_BYTES - memory.PAGE, False)])
+def test_a_big_pool_is_faulted_in_on_threads_before_it_is_registered(monkeypatch, nbytes, threaded):
+    """Pools of THREADED_FAULT_BYTES or more (the CPU KV pool) are written on FAULT_THREADS threads first;
+    small ones (staging buffers) are left to cudaHostRegister."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: StubCudart(log))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
+    monkeypatch.setattr(memory, "fault_in", lambda pages, threads: log.append(("fault_in", pages.numel(), threads)))
+    tensor = memory.pinned_empty((nbytes // 4,), torch.float32, torch.device("cuda"))
+    faulted = [("fault_in", nbytes, memory.FAULT_THREADS)] if threaded else []
+    assert log == [*faulted, ("register", nbytes)]
+    del tensor
+    assert log[-1][0] == "unregister"
+
+
 def test_pages_are_unpinned_even_when_the_sync_before_fails(monkeypatch):
     """A sync that fails (one made while a CUDA graph is being captured) still unregisters the pages: left
     registered once their mapping goes, they would fail a later pool's cudaHostRegister at that address
