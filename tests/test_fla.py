@@ -46,7 +46,8 @@ def ieee_float32():
     compiles: Triton keys the kernels it keeps in memory by their arguments, not by this variable. The layers'
     short convolutions (torch's conv1d: cuDNN) are TF32 by torch's default too, so that is off as well. With it
     on, OLMo hybrid's logprobs were 1.5e-3 off on an H200 (2026-11-27), where the same test, fla's kernels
-    included, is exact under Triton's interpreter on the CPU; the next GPU run tells whether it was the cause."""
+    included, is exact under Triton's interpreter on the CPU; with it off (tenth GPU session) the model alone was
+    still 2.1e-3 off itself (SELF_GAP_ON_THE_CARD), so it was not the cause."""
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
