@@ -45,7 +45,8 @@
 #   first engine, 52 s of it fla's autotuning) about 270 s; on an H200 (sixth): the engine tests 170 s, the
 #   benches and bench_attention together 322 s; earlier on an H100: test_fla 151 s (TF32), the graph tests of
 #   all 90 families about 150 s; on an H200 (eighth): the engine tests 177 s, then test_fla in IEEE float32 cut
-#   at 214 s inside its first GPU test, fla autotuning.
+#   at 214 s inside its first GPU test, fla autotuning; on an H200 (tenth): the engine tests 150 s, test_fla 401 s
+#   before the limit (146 s of it fla tuning Qwen3.5's kernels, whose results scripts/gpu_autotune/ now holds).
 #   Seven log files (bench_delta_rule's, bench_norm's and bench_pin's in bench_kernels.log) and autotune.tgz: eight
 #   files, the most a device call brings back.
 # Autotuning (fla's kernels: 201 s of test_fla's first GPU test on an H200 in the ninth session) is paid once: Triton
