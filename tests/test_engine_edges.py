@@ -83,19 +83,22 @@ def test_a_finished_sample_gives_its_tail_blocks_to_eviction_first(qwen3):
     assert engine.stats()["cached_prefix_tokens"] - cached == 8
 
 
-@pytest.mark.parametrize("max_batch_tokens, num_blocks", [(4, 8), (8, 7)])
-def test_a_running_prompt_short_of_its_fork_blocks_waits_for_them(qwen3, max_batch_tokens, num_blocks):
+@pytest.mark.parametrize("max_batch_tokens, num_blocks, cpu_blocks", [(4, 8, 0), (8, 7, 0), (4, 8, 16)])
+def test_a_running_prompt_short_of_its_fork_blocks_waits_for_them(qwen3, max_batch_tokens, num_blocks, cpu_blocks):
     """A 3-sample prompt in chunked prefill beside a growing decode finds blocks for its last tokens but not for
     the copies of its partial last block its fork needs: its chunk stops short of its last token until they can
-    be had, so no child writes a block it shares; every sample equals a roomy engine's."""
+    be had, so no child writes a block it shares; every sample equals a roomy engine's. Preempted with its one
+    token left, it is recomputed even with room in the CPU pool: restored, it would decode that token as a
+    sample and fork without those copies."""
     short, long = random_prompts(1, 512, (4, 4), seed=3)[0], random_prompts(1, 512, (18, 18), seed=4)[0]
     params = [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
               SamplingParams(n=3, temperature=0, max_new_tokens=3, ignore_eos=True)]
     engine = make_engine(qwen3, block_size=4, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                         cpu_offload_gib=0)
+                         cpu_offload_gib=cpu_blocks * gib_per_block(qwen3, 4))
     rows = run(engine, [short, long], params)
     roomy = run(make_engine(qwen3, block_size=4), [short, long], params)
     assert {k: r["token_ids"] for k, r in rows.items()} == {k: r["token_ids"] for k, r in roomy.items()}
+    assert engine.stats()["offloads"] == 0
 
 
 def test_a_preempted_request_waits_first_in_line(qwen3):
@@ -196,6 +199,26 @@ def test_a_finish_drain_admits_no_queued_request(qwen3):
     while engine.has_unfinished():
         rows += engine.step()
     assert (rows[2]["prompt_index"], rows[2]["first_policy_version"]) == (2, 1)
+
+
+def test_a_finish_drain_readmits_a_preempted_sample_ahead_of_a_restarted_prompt(qwen3):
+    """A "finish" update lands while a sample preempted for recompute waits and a newer prompt is in chunked
+    prefill: the prompt restarts first in line, but the drain readmits the started sample ahead of it and finishes
+    it on the old weights (left behind the prompt, which a drain never admits, nothing could be scheduled)."""
+    engine = make_engine(qwen3, block_size=4, num_blocks=8, max_batch_tokens=8, cpu_offload_gib=0)
+    short, long = random_prompts(1, 512, (4, 4), seed=3)[0], random_prompts(1, 512, (24, 24), seed=4)[0]
+    engine.add_request(short, SamplingParams(n=2, temperature=0, max_new_tokens=16, ignore_eos=True), prompt_index=0)
+    engine.add_request(long, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True), prompt_index=1)
+    rows, scheduler = [], engine.scheduler
+    while not (any(s.started for s in scheduler.waiting) and any(not s.started for s in scheduler.running)):
+        assert engine.has_unfinished(), "no sample was preempted while the long prompt was in prefill"
+        rows += engine.step()
+    rows += engine.update_weights(engine.state_dict(), version=1, mode="finish")
+    while engine.has_unfinished():
+        rows += engine.step()
+    versions = sorted((r["prompt_index"], r["sample_index"], r["first_policy_version"], r["policy_version"])
+                      for r in rows)
+    assert versions == [(0, 0, 0, 0), (0, 1, 0, 0), (1, 0, 1, 1)]
 
 
 def test_a_stop_token_that_is_also_the_last_allowed_token_ends_with_stop(qwen3):

@@ -240,17 +240,19 @@ def test_attention_bias_computed_by_the_model_is_refused_even_for_a_listed_type(
 
 def test_longrope_sample_does_not_depend_on_its_batch(zoo_dir):
     """A short prompt alone or beside a long one, a prompt whose decoding crosses the original length
-    (recomputed once, as `generate` does), and long prompts in chunks all equal `generate`."""
+    (recomputed once, as `generate` does; so is one of exactly that length, computed with the short factors),
+    and long prompts in chunks all equal `generate`."""
     path = zoo_dir("phi3_longrope")
-    prompts = dict(zip(["short", "crossing", "long"], prompts_of([6, 26, 40])))
+    prompts = dict(zip(["short", "crossing", "at_switch", "long"], prompts_of([6, 26, 32, 40])))
     expected = dict(zip(prompts, greedy_references(hf_model(path), list(prompts.values()))))
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
     chunked = {"max_batch_tokens": 16, "enable_prefix_caching": False}
-    for names, config in [(["short"], {}), (["short", "long", "crossing"], {}), (["long", "crossing"], chunked)]:
+    for names, config in [(["short"], {}), (["short", "long", "crossing", "at_switch"], {}),
+                          (["long", "crossing", "at_switch"], chunked)]:
         rows = run(make_engine(path, block_size=8, **config), [prompts[n] for n in names], params)
         for i, name in enumerate(names):
             assert rows[(i, 0)]["token_ids"] == expected[name], (name, names, config)
-            assert rows[(i, 0)]["num_preemptions"] == (name == "crossing"), (name, names, config)
+            assert rows[(i, 0)]["num_preemptions"] == (name in ("crossing", "at_switch")), (name, names, config)
 
 
 def test_longrope_prefix_cache_keeps_short_and_long_factors_apart(zoo_dir):

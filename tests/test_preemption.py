@@ -120,11 +120,78 @@ def test_abort_of_offloaded_request_frees_cpu_blocks(workload):
     assert engine.stats()["cpu_blocks_used"] == 0 and victim in ids
 
 
+def test_an_offload_copies_the_shared_blocks_the_prefix_cache_forgot(model_dir):
+    """After `reset_prefix_cache` the prompt blocks two samples share have no key, so a restore could not find
+    them on the device again: the offloaded sample copies them to the CPU too, and is restored, not recomputed."""
+    path = model_dir("qwen3")
+    engine = make_engine(path, block_size=4, num_blocks=6, cpu_offload_gib=8 * gib_per_block(path, 4))
+    prompt = random_prompts(1, 512, (8, 8), seed=6)[0]
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_new_tokens=12, ignore_eos=True)
+    engine.add_request(prompt, params)
+    rows = engine.step() + engine.step()
+    assert (engine.stats()["forks"], engine.stats()["offloads"]) == (1, 0)
+    engine.reset_prefix_cache()
+    while engine.has_unfinished():
+        rows += engine.step()
+        engine.check_integrity()
+    stats = engine.stats()
+    assert (stats["offloads"], stats["restores"], stats["recomputes"]) == (1, 1, 0)
+    roomy = run(make_engine(path, block_size=4), [prompt], params)
+    assert {r["sample_index"]: r["token_ids"] for r in rows} == {s: r["token_ids"] for (_, s), r in roomy.items()}
+
+
+def offloader_of(num_blocks: int) -> Offloader:
+    """An offloader over a pool of `num_blocks` blocks of 2 tokens, with a CPU pool of more blocks than that."""
+    kv_cache = KvCache.of(torch.zeros(1, 2, num_blocks, 2, 1, 1))
+    return Offloader(BlockPool(num_blocks, 2), BlockTables(4, 4, 2), CpuPool(kv_cache, gib=1e-6))
+
+
+def decoding_sample(pool: BlockPool, tokens: list[int], blocks: list[int]) -> Sequence:
+    """A running sample of `tokens` in `blocks` (one more owner of those already held), its last token still to
+    compute and its complete blocks registered (a block whose twin is registered takes the twin's key)."""
+    group = Group("r", 0, tokens[:4], SamplingParams(), 0, 0, frozenset(), 64, 1)
+    seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=len(tokens) - 1)
+    for block in blocks:
+        if pool.ref_counts[block]:
+            pool.share(block)
+        else:
+            pool.free.remove(block)
+            pool.ref_counts[block] = 1
+    seq.block_table = list(blocks)
+    pool.register_blocks(seq)
+    return seq
+
+
+def test_an_offloaded_sample_gives_its_tail_blocks_to_eviction_first():
+    """Two samples share their prompt's blocks 0 and 1. The one offloaded first copies only its own block: its
+    restore needs the prompt's blocks still on the device. The other then frees all of its blocks to the cache
+    from its last back, so evictions take its own block before the prompt's: the first stays restorable."""
+    offloader = offloader_of(6)
+    pool = offloader.pool
+    first = decoding_sample(pool, [11, 12, 13, 14, 21, 22, 23], [0, 1, 2])
+    second = decoding_sample(pool, [11, 12, 13, 14, 31, 32, 33], [0, 1, 3])
+    assert offloader.offload(second, Batch()) and offloader.offload(first, Batch())
+    assert second.cpu_blocks[:2] == [-1, -1] and min(first.cpu_blocks) >= 0
+    pool.allocate(4)  # the 2 free blocks, then the 2 oldest cached: blocks 3 and 2
+    assert offloader.plan_restore(second) == ([0, 1, None], 4)
+
+
+def test_a_restore_that_takes_exactly_the_spare_blocks_happens_now():
+    """An offloaded sample whose restore consumes exactly the spare device blocks is restored in this step,
+    not one later; one block fewer and it waits."""
+    offloader = offloader_of(6)
+    seq = decoding_sample(offloader.pool, [11, 12, 13, 14, 21, 22, 23], [0, 1, 2])
+    assert offloader.offload(seq, Batch())
+    _, consumed = offloader.plan_restore(seq)
+    assert offloader.restore_fitting(Batch(), consumed - 1, room=1) == ([], [])
+    assert offloader.restore_fitting(Batch(), consumed, room=1) == ([seq], [])
+
+
 def test_restore_keeps_the_cached_blocks_it_reuses():
     """Restoring with an empty free list: the block copied back in may evict only cached blocks the
     sequence does not reuse (here its own blocks 1 and 2 are the oldest cached)."""
-    pool = BlockPool(7, 2)
-    offloader = Offloader(pool, BlockTables(4, 4, 2), CpuPool(KvCache.of(torch.zeros(1, 2, 7, 2, 1, 1)), gib=1e-6))
+    offloader = offloader_of(7)
+    pool = offloader.pool
     tokens = [11, 12, 13, 14, 15, 16, 17]
     group = Group("r", 0, tokens[:3], SamplingParams(), 0, 0, frozenset(), 64, 1)
     seq = Sequence(group, [0], list(tokens), Status.RUNNING, num_computed_tokens=6)

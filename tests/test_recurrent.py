@@ -64,6 +64,24 @@ def test_feed_forward_blocks_beside_mixers_through_forks_and_preemption(zoo_dir)
     assert stats["forks"] > 0 and stats["restores"] > 0
 
 
+def test_aborting_an_offloaded_sample_frees_its_state_slot(zoo_dir):
+    """A request aborted while one of its samples waits in the CPU pool gives back that sample's recurrent-state
+    slot with its blocks (the integrity check accounts for every slot), and the other requests run on."""
+    engine = make_engine(zoo_dir(MODEL), block_size=8, max_batch_tokens=16, num_blocks=12, cpu_offload_gib=0.5)
+    for i, prompt in enumerate(prompts_of(LENGTHS)):
+        engine.add_request(prompt, SamplingParams(n=2, temperature=0, max_new_tokens=10), request_id=str(i))
+    offloaded = engine.scheduler.offloader.offloaded
+    while not offloaded:
+        assert engine.has_unfinished(), "no sample was offloaded"
+        engine.step()
+    engine.abort(offloaded[0].group.request_id)
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert engine.stats()["restores"] > 0
+
+
 def test_the_cpu_pool_keeps_a_state_slot_per_offloaded_sequence(zoo_dir):
     """State slots take up to half the pool, at most one per sequence, and KV blocks the rest, at most what
     every sequence could hold (here 4 sequences of 256 tokens: 128 blocks of 8)."""
