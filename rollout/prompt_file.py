@@ -9,9 +9,10 @@ from pathlib import Path
 
 def read_prompts(path: Path) -> tuple[list[str | list[int]], list[int]]:
     """Prompts of a JSONL file (per line a string, a token-id list, or an object with a "prompt" field),
-    and the line each came from; blank lines are skipped."""
+    and the line each came from; blank lines are skipped. Lines end at "\n" only: a JSON string may hold U+2028,
+    U+0085 and the like, at which `str.splitlines` would cut it."""
     prompts, lines = [], []
-    for number, line in enumerate(_text(path).splitlines(), 1):
+    for number, line in enumerate(_text(path).split("\n"), 1):
         if line.strip():
             prompts.append(_prompt(line, f"{path}:{number}"))
             lines.append(number)
