@@ -187,8 +187,9 @@ def test_unreadable_config_files_are_refused_naming_the_file(tmp_path):
 
 
 @pytest.fixture
-def cli(tmp_path, model_dir, capsys):
+def cli(tmp_path, model_dir, capsys, monkeypatch):
     """`run(*argv)` -> the error the CLI printed; asserts exit status 2, no Ray started, no output written."""
+    monkeypatch.setattr("rollout.api.start_local_ray", lambda config: pytest.fail("Ray started before the refusal"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"hello"\n[5, 6, 7]\n')
     out = tmp_path / "out.parquet"
@@ -220,10 +221,12 @@ def cli(tmp_path, model_dir, capsys):
     (["--num-workers", "0"], None, "ServiceConfig.num_workers=0", "no workers"),
     ([], "[5, -2]\n", "-2 is not a token id", "negative token id in the prompt file"),
     ([], '[5, "x"]\n', "'x' is not a token id", "token id not an int in the prompt file"),
+    ([], "[5, true]\n", "True is not a token id", "token id a bool in the prompt file"),
     ([], "{\"text\": \"hi\"}\n", "an object needs a \"prompt\" field, got keys ['text']", "object without a prompt"),
     ([], "[5, 6\n", "not JSON", "prompt line not JSON"),
     ([], "\n\n", "holds no prompts", "empty prompt file"),
     ([], "[]\n", "the prompt is empty", "empty prompt in the file"),
+    ([], '"ok"\n5\n', ':2: expected a string, a token-id list or {"prompt": ...}, got 5', "prompt of a wrong type"),
 ])
 def test_bad_command_lines_are_refused_before_ray_starts(cli, argv, lines, names, kind):
     run, _ = cli
