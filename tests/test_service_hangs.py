@@ -5,15 +5,20 @@ replacement holds the current weights before it takes work."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import ray
 
 import rollout
+from rollout.stall_watch import StallWatch
 from tests.conftest import random_prompts
 from trainer_client import RolloutClient
 
@@ -99,3 +104,91 @@ def test_a_stopped_worker_process_is_replaced(client):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class ScriptedWorker:
+    """A worker handle whose `progress` probe answers `script(seconds since start)`: (ticks, idle), None for
+    never (a stopped process), or an exception to raise; `progressed` is when it last answered progress."""
+
+    def __init__(self, script: Callable[[float], tuple[int, bool] | None | Exception]) -> None:
+        self.script, self.progress = script, self
+        self.start = self.progressed = time.monotonic()
+        self.last: tuple[int, bool] | None = None
+
+    async def remote(self) -> tuple[int, bool]:
+        answer = self.script(time.monotonic() - self.start)
+        if isinstance(answer, Exception):
+            raise answer
+        if answer is None:
+            await asyncio.Event().wait()
+        if answer[1] or answer != self.last:
+            self.progressed = time.monotonic()
+        self.last = answer
+        return answer
+
+
+class ScriptedPool:
+    """What StallWatch sees of a WorkerPool; `lose` records (worker, handle, reason, when) and puts the worker's
+    entry of `replacements` in its place, as the pool's replacement would."""
+
+    def __init__(self, timeout: float, workers: dict[int, ScriptedWorker], load: dict[int, int]) -> None:
+        self.config = SimpleNamespace(worker_stall_timeout_s=timeout)
+        self.workers, self.load, self.lost, self.replacements = workers, load, [], {}
+        self.closed = False
+
+    def lose(self, worker: int, handle: ScriptedWorker, reason: BaseException) -> None:
+        self.lost.append((worker, handle, str(reason), time.monotonic()))
+        del self.workers[worker]
+        if worker in self.replacements:
+            self.workers[worker] = self.replacements.pop(worker)
+
+
+def watch(pool: ScriptedPool, seconds: float) -> None:
+    """Run a StallWatch over `pool` for `seconds`."""
+    async def run() -> None:
+        task = asyncio.create_task(StallWatch(pool).run())
+        await asyncio.sleep(seconds)
+        task.cancel()
+
+    asyncio.run(run())
+
+
+def test_the_watch_probes_a_quarter_timeout_apart_and_at_most_5_s():
+    """A stall is seen within 1.25 timeouts, and within 5 s after a long timeout."""
+    assert StallWatch(ScriptedPool(2.0, {}, {})).period == 0.5
+    assert StallWatch(ScriptedPool(300.0, {}, {})).period == 5.0
+
+
+def test_only_workers_owing_samples_without_progress_are_lost_after_the_timeout(caplog):
+    """Progress until 0.6 s then none, with work: lost, named. Idle ones are never lost, nor is a stopped one
+    that was idle (or new) and owes nothing; one that was idle, got work and stopped answering is, as is one
+    that stopped answering while busy. A probe that raises is logged and the watch goes on."""
+    timeout = 1.0
+    workers = {0: ScriptedWorker(lambda t: (int(min(t, 0.6) * 100), False)),
+               1: ScriptedWorker(lambda t: (3, True)),
+               2: ScriptedWorker(lambda t: (3, True) if t < 0.6 else None),
+               3: ScriptedWorker(lambda t: (3, True) if t < 0.6 else None),
+               4: ScriptedWorker(lambda t: RuntimeError("probe broke")),
+               5: ScriptedWorker(lambda t: (int(t * 100), False) if t < 0.6 else None),
+               6: ScriptedWorker(lambda t: None)}
+    pool = ScriptedPool(timeout, dict(workers), {0: 4, 1: 0, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0})
+    with caplog.at_level(logging.WARNING, logger="rollout.stall_watch"):
+        watch(pool, 3.5)
+    assert sorted(worker for worker, *_ in pool.lost) == [0, 2, 5]
+    for worker, handle, reason, when in pool.lost:
+        assert handle is workers[worker] and timeout < when - handle.progressed < timeout + 1.0
+        assert reason.startswith(f"worker {worker} had work and made no progress for ")
+        assert reason.endswith(f"(worker_stall_timeout_s={timeout})")
+    assert "stall probe failed: RuntimeError('probe broke')" in caplog.text
+
+
+def test_a_replacement_under_the_same_id_gets_the_whole_timeout():
+    """The stalled worker 0 is replaced by one that does not answer yet: it is not lost at its first probe
+    for the progress its predecessor failed to make."""
+    timeout = 1.0
+    stalled, replacement = ScriptedWorker(lambda t: (7, False)), ScriptedWorker(lambda t: None)
+    pool = ScriptedPool(timeout, {0: stalled}, {0: 1})
+    pool.replacements[0] = replacement
+    watch(pool, 3.5)
+    assert [handle for _, handle, *_ in pool.lost] == [stalled, replacement]
+    assert pool.lost[1][3] - pool.lost[0][3] > timeout
