@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from rollout.config import EngineConfig, ServiceConfig
+from rollout.weight_keeper import WeightKeeper
 from rollout.weight_updates import WeightUpdates
-from workers.messages import WeightUpdate
+from workers.messages import TensorMeta, WeightUpdate
 
 CONFIG = ServiceConfig(engine=EngineConfig(model="unused", device="cpu"))
 
@@ -80,3 +81,22 @@ def test_a_replacement_gets_the_latest_weights_before_it_takes_work():
     handle = SimpleNamespace(update_weights=SimpleNamespace(remote=update_weights))
     asyncio.run(updates.replay(handle, lambda: events.append("admit")))
     assert events == [("update", 2), "admit"]
+
+
+def test_the_keeper_replays_the_latest_update_and_a_broadcasts_exported_copy():
+    """A restarted service recalls the newest update kept, never an older one; a broadcast's replay source is
+    the worker's exported copy as an object-store update of that version (its buckets are of the broadcast)."""
+    keeper, meta = WeightKeeper(), [TensorMeta("w", "float32", [2])]
+    assert keeper.recall() is None
+    keeper.keep(update(2))
+    keeper.keep(update(3))
+    assert keeper.recall() == update(3)
+
+    async def exported_tensors() -> list[TensorMeta]:  # the first of export_weights' two ObjectRefs
+        return meta
+
+    worker = SimpleNamespace(export_weights=SimpleNamespace(remote=lambda: (exported_tensors(), "arrays-ref")))
+    broadcast = WeightUpdate(version=4, mode="continue", transport="broadcast", tensors=[], buckets=[[0]])
+    kept = asyncio.run(keeper.keep_export(worker, broadcast))
+    assert kept == WeightUpdate(version=4, mode="continue", transport="object_store", tensors=meta, arrays="arrays-ref")
+    assert keeper.recall() is kept
