@@ -99,13 +99,16 @@ def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("command", ["serve", "stop"])
-def test_auto_without_a_cluster_exits_with_a_message(command, monkeypatch, capsys):
-    """`--address auto` means RAY_ADDRESS or the head node `ray start` left here, never another process's
-    embedded Ray that happens to run (Ray's own "auto" joins any it finds); no such cluster is an error."""
+@pytest.mark.parametrize("address", [["--address", "auto"], []])
+def test_auto_without_a_cluster_exits_with_a_message(command, address, monkeypatch, capsys):
+    """`--address auto` (the default) means RAY_ADDRESS or the head node `ray start` left here, never another
+    process's embedded Ray that happens to run (Ray's own "auto" joins any it finds), nor a new local one; no
+    such cluster is an error."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(local_ray, "get_ray_address_file", lambda temp_dir: "/nonexistent/ray_current_cluster")
+    monkeypatch.setattr(local_ray.ray, "init", lambda **kwargs: pytest.fail(f"ray.init({kwargs})"))
     with pytest.raises(SystemExit) as exit_info:
-        main([command, "--address", "auto"])
+        main([command, *address])
     assert exit_info.value.code == 2 and not ray.is_initialized()
     assert f"rollout {command}: error: no Ray cluster to join: RAY_ADDRESS is unset" in capsys.readouterr().err
 
@@ -281,12 +284,16 @@ def test_a_foreground_serve_fails_when_its_service_actor_dies(embedded_ray):
         async def ready(self) -> int:
             return 1
 
-    stopping = threading.Event()
-    service = Service.remote()
+    stopping, service = threading.Event(), Service.remote()
     threading.Timer(2.0, stopping.set).start()
     wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
-    ray.kill(service)
+    threading.Timer(2.0, ray.kill, [service]).start()  # dies after its first probes were answered
+    stopping, missed = threading.Event(), threading.Timer(20.0, lambda: stopping.set())
+    missed.start()  # a wait that missed the death would return here
     with pytest.raises(RuntimeError, match="the service actor 'svc' died"):
+        wait_for_stop(service, "svc", stopping)
+    missed.cancel()
+    with pytest.raises(RuntimeError, match="the service actor 'svc' died"):  # dead before the wait
         wait_for_stop(service, "svc", threading.Event())
 
 
