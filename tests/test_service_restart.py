@@ -26,9 +26,10 @@ from rollout.config import load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.service import actor_exists, stop
 from rollout.service_lost import ServiceUnavailable
-from rollout.weight_keeper import stop_keeper
+from rollout.weight_keeper import start_keeper, stop_keeper
 from tests.conftest import hf_greedy, hf_model, random_prompts
 from trainer_client import RolloutClient
+from workers.messages import WeightUpdate
 
 PROMPTS = random_prompts(6, 512, (4, 12), seed=41)
 NAME, NAMESPACE = "restart-test", "rollout-restart-test"
@@ -211,6 +212,21 @@ def test_a_replay_source_that_is_gone_leaves_the_models_own_weights(service, mod
     assert_logged("could not replay weights version 6 after a restart")
     client.update_weights(model_dir("qwen3", seed=1), version=7)  # updates work again
     assert {s["policy_version"] for s in client.stats().values()} == {7}
+
+
+@pytest.mark.timeout(120)
+def test_a_keeper_left_by_an_earlier_service_is_replaced_empty(service, model_dir):
+    """A new service of a name whose keeper outlived its service never replays that keeper's stale weights."""
+    config = load_service_config(model=model_dir("qwen3"), name="stale", namespace=NAMESPACE)
+    stale = start_keeper(config)
+    ray.get(stale.keep.remote(WeightUpdate(version=9, mode="continue", transport="checkpoint", tensors=[],
+                                           path="/old")))
+    try:
+        assert ray.get(start_keeper(config).recall.remote()) is None
+        with pytest.raises(RayActorError):
+            ray.get(stale.recall.remote())
+    finally:
+        stop_keeper(config)
 
 
 @pytest.mark.timeout(240)
