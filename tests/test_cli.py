@@ -9,16 +9,14 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
 
-from rollout import SamplingParams, local_ray
+from rollout import local_ray
 from rollout.cli import main
-from rollout.config import LOCAL_CONFIG
 from rollout.demo import DEMO_PROMPTS
 
 EMBEDDED_DEFAULT = """
@@ -126,31 +124,6 @@ def test_an_address_where_nothing_listens_exits_with_a_message(command, monkeypa
     assert f"error: no Ray cluster at '127.0.0.1:{port}': nothing accepts connections" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["sample", "demo", "serve", "stop"])
-def test_help(command, capsys):
-    """Every command has --help; the sampling flags show SamplingParams' defaults."""
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--help"])
-    shown = " ".join(capsys.readouterr().out.split())
-    assert exit_info.value.code == 0 and "usage: rollout " + command in shown
-    if command in ("sample", "demo"):
-        defaults = SamplingParams()
-        assert "samples per prompt (default: 8)" in shown
-        assert f"sampling temperature; 0 = greedy (default: {defaults.temperature})" in shown
-        assert f"most tokens generated per sample (default: {defaults.max_new_tokens})" in shown
-
-
-@pytest.mark.parametrize("command", ["demo", "sample"])
-def test_flags_are_checked_before_building_or_starting_anything(command, tmp_path, recorded, monkeypatch, capsys):
-    """A bad sampling flag is refused before the demo builds its model and before the service starts."""
-    monkeypatch.setattr("rollout.demo.demo_model", lambda: pytest.fail("the demo built its model before its flags"))
-    (tmp_path / "good.jsonl").write_text('"ok"\n')
-    files = ["--prompts", str(tmp_path / "good.jsonl"), "--out", str(tmp_path / "x.parquet")]
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--n", "0", *(files if command == "sample" else [])])
-    assert exit_info.value.code == 2 and "n=0" in capsys.readouterr().err and "init" not in recorded
-
-
 def test_an_unwritable_out_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys):
     (tmp_path / "good.jsonl").write_text('"ok"\n')
     monkeypatch.setattr("rollout.init", lambda *a, **k: pytest.fail("sampled before checking --out"))
@@ -158,48 +131,6 @@ def test_an_unwritable_out_is_refused_before_ray_starts(tmp_path, monkeypatch, c
         main(["sample", "--prompts", str(tmp_path / "good.jsonl"), "--out", "/proc/x.parquet"])
     assert exit_info.value.code == 2 and not ray.is_initialized()
     assert "--out '/proc/x.parquet': cannot create a file in '/proc'" in capsys.readouterr().err
-
-
-RECORDED = pa.table({"prompt_index": [1, 0, 1], "token_ids": [[4, 5], [6], [7, 8]], "num_preemptions": [0, 2, 1],
-                     "finish_reason": pa.array(["length", "stop", "length"]).dictionary_encode()})
-
-
-@pytest.fixture
-def recorded(monkeypatch) -> dict:
-    """`rollout.init`, `sample` and `shutdown` stand-ins that record their arguments; `sample` gives RECORDED."""
-    calls: dict = {}
-    monkeypatch.setattr("rollout.init", lambda *args, **kwargs: calls.update(init=(args, kwargs)))
-    monkeypatch.setattr("rollout.shutdown", lambda: calls.update(shutdown=True))
-    monkeypatch.setattr("rollout.sample", lambda prompts, **kwargs: (
-        calls.update(sample=(prompts, kwargs)), SimpleNamespace(to_table=lambda: RECORDED))[1])
-    return calls
-
-
-@pytest.mark.parametrize("argv, init, sampling", [
-    ([], {}, {"n": 8}),
-    (["--n", "3", "--temperature", "0", "--top-p", "0.9", "--top-k", "0", "--min-p", "0.1", "--max-new-tokens", "5",
-      "--seed", "0", "--logprobs-mode", "raw", "--stop-token-ids", "3", "4", "--stop", "</a>", "END",
-      "--ignore-eos", "--model", "/m", "--num-workers", "1", "--set", "flush_rows=2", "--set", "dtype=bfloat16"],
-     {"flush_rows": 2, "dtype": "bfloat16", "model": "/m", "num_workers": 1},
-     {"n": 3, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "max_new_tokens": 5, "seed": 0,
-      "logprobs_mode": "raw", "stop_token_ids": [3, 4], "stop": ["</a>", "END"], "ignore_eos": True}),
-])
-def test_sample_passes_every_prompt_and_flag_and_writes_every_row(tmp_path, recorded, capsys, argv, init, sampling):
-    """Each prompt of the file once, in order (blank lines skipped; lines end at "\\n" only, as U+2028 or U+0085
-    may stand unescaped in a JSON string), each flag given (zeros too) and no other reach the service; the file
-    holds the call's table as it came, and the summary counts it."""
-    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.parquet"
-    lines = ['"Grüße 😀"', "", "  \t", "[0, 5]\r", '{"prompt": "x", "id": 3}', '{"prompt": [9]}', '"a\u2028b\x85c"',
-             '"x"']
-    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    assert main(["sample", "--prompts", str(prompts), "--out", str(out), *argv]) == 0
-    assert recorded["init"] == ((LOCAL_CONFIG,), init) and recorded["shutdown"]
-    expected = ["Grüße 😀", [0, 5], "x", [9], "a\u2028b\x85c", "x"]
-    assert recorded["sample"] == (expected, {**sampling, "progress": True})
-    assert pq.read_table(out).equals(RECORDED)
-    printed = capsys.readouterr().out
-    assert "3 samples, 5 tokens in " in printed and "finish: length 2, stop 1; 3 preemptions" in printed
-    assert f"wrote {out}" in printed
 
 
 class InterruptedStream:
