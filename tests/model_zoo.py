@@ -305,17 +305,23 @@ ZOO: dict[str, tuple[type, dict]] = {
 }
 
 
-def build_zoo_model(name: str, path: str | Path, seed: int = 0, **overrides) -> str:
-    """Save a random-weight float32 model of zoo entry `name` (its config fields updated by `overrides`)
-    into `path`; returns the path. Vectors are perturbed too, so that no zero-initialised bias or gate hides
-    what it feeds. A vision-language entry is saved as its checkpoints are, vision tower included."""
+def zoo_model(name: str, **overrides) -> tf.PreTrainedModel:
+    """A float32 model of zoo entry `name` (its config fields updated by `overrides`), as transformers initialises
+    it (on the meta device within `with torch.device("meta")`); a vision-language entry with its vision tower."""
     config_class, kwargs = ZOO[name]
     kwargs = {**kwargs, **overrides}
     config = config_class(**kwargs, tie_word_embeddings=False)
     config.eos_token_id = None
-    torch.manual_seed(seed)
     auto = tf.AutoModelForImageTextToText if "vision_config" in kwargs else tf.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32)
+    return auto.from_config(config, dtype=torch.float32)
+
+
+def build_zoo_model(name: str, path: str | Path, seed: int = 0, **overrides) -> str:
+    """Save a random-weight float32 model of zoo entry `name` (its config fields updated by `overrides`)
+    into `path`; returns the path. Vectors are perturbed too, so that no zero-initialised bias or gate hides
+    what it feeds. A vision-language entry is saved as its checkpoints are, vision tower included."""
+    torch.manual_seed(seed)
+    model = zoo_model(name, **overrides)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:

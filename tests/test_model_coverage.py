@@ -14,7 +14,7 @@ import transformers
 
 from rollout import SamplingParams
 from tests.conftest import DEVICES, hf_model, make_engine, run
-from tests.model_zoo import VOCAB, ZOO, build_zoo_model
+from tests.model_zoo import VOCAB, ZOO, build_zoo_model, zoo_model
 from workers.engine import Engine, attention, model_support
 from workers.engine.longrope import uses_longrope
 
@@ -142,13 +142,10 @@ def test_moe_lists_every_family_whose_model_has_experts():
     the bfloat16 graph test. Each model is built on the meta device, so no weights are made."""
     with_experts = []
     for name in ACCEPTED:
-        config_class, kwargs = ZOO[name]
-        if config_class is None:
+        if ZOO[name][0] is None:
             continue
-        auto = transformers.AutoModelForImageTextToText if "vision_config" in kwargs else \
-            transformers.AutoModelForCausalLM
         with torch.device("meta"):
-            model = auto.from_config(config_class(**kwargs))
+            model = zoo_model(name)
         if any(path.rsplit(".", 1)[-1] == "experts" for path, _ in model.named_modules()):
             with_experts.append(name)
     assert with_experts == [name for name in MOE if ZOO[name][0] is not None]
