@@ -33,9 +33,9 @@ _DELTA_32 = {"linear_key_head_dim": 32, "linear_value_head_dim": 32}
 FLA_FAMILIES = {"qwen3_5_text": _DELTA_32, "qwen3_next": _DELTA_32, "olmo_hybrid": _DELTA_32,
                 "kimi_linear": {"linear_head_dim": 32}}
 # where transformers' model itself, through fla's kernels on the card, gives a prompt fed whole and fed in pieces
-# other logprobs: OLMo hybrid's were 2.1e-3 apart on an H200 (tenth GPU session, IEEE float32, cuDNN's TF32 off);
-# under Triton's interpreter on the CPU the same kernels agree to 1.5e-7
-SELF_GAP_ON_THE_CARD = {"olmo_hybrid"}
+# other logprobs: OLMo hybrid's were 2.1e-3 apart on an H200 (tenth GPU session, IEEE float32, cuDNN's TF32 off),
+# Kimi Linear's 1.4e-3 (eleventh); under Triton's interpreter on the CPU the same kernels agree to 1.5e-7
+SELF_GAP_ON_THE_CARD = {"olmo_hybrid", "kimi_linear"}
 
 
 @pytest.fixture(autouse=True, scope="module")
