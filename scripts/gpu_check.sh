@@ -46,7 +46,9 @@
 #   benches and bench_attention together 322 s; earlier on an H100: test_fla 151 s (TF32), the graph tests of
 #   all 90 families about 150 s; on an H200 (eighth): the engine tests 177 s, then test_fla in IEEE float32 cut
 #   at 214 s inside its first GPU test, fla autotuning; on an H200 (tenth): the engine tests 150 s, test_fla 401 s
-#   before the limit (146 s of it fla tuning Qwen3.5's kernels, whose results scripts/gpu_autotune/ now holds).
+#   before the limit (146 s of it fla tuning Qwen3.5's kernels, whose results scripts/gpu_autotune/ now holds); on an
+#   H200 (eleventh): the engine tests 191 s, test_fla 328 s before the limit (281 s of it tuning Kimi Linear's
+#   chunk_gla_fwd_kernel_o, now in scripts/gpu_autotune/ too: its and OLMo hybrid's four tests then took 10 s).
 #   Seven log files (bench_delta_rule's, bench_norm's and bench_pin's in bench_kernels.log) and autotune.tgz: eight
 #   files, the most a device call brings back.
 # Autotuning (fla's kernels: 201 s of test_fla's first GPU test on an H200 in the ninth session) is paid once: Triton
@@ -133,7 +135,8 @@ delta_rc=${PIPESTATUS[0]}
 timed python3 scripts/bench_norm.py 2>&1 | tee -a "$OUT/bench_kernels.log"
 norm_rc=${PIPESTATUS[0]}
 # pinning the CPU pool: the engine's way against pages faulted in first by threads, huge pages, cudaHostAlloc
-# (about 15 s; pinning 16 GiB took 6 s of an engine's start-up in the ninth GPU session)
+# (about 15 s; pinning 16 GiB took 6 s of an engine's start-up in the ninth GPU session, pinned_empty 1.8-1.9 s
+# with its threads in the eleventh)
 timed python3 scripts/bench_pin.py 2>&1 | tee -a "$OUT/bench_kernels.log"
 pin_rc=${PIPESTATUS[0]}
 gpu_rc=0
