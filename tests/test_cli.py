@@ -191,6 +191,25 @@ def test_a_failed_write_leaves_no_half_file_and_says_the_samples_are_lost(tmp_pa
     assert out.read_text() == "earlier run" and [p.name for p in tmp_path.iterdir()] == ["x.parquet"]
 
 
+def test_two_processes_writing_one_out_each_leave_a_whole_file(tmp_path, monkeypatch):
+    """Two runs given the same --out, the second writing while the first is: each writes its own hidden file, so
+    neither's rename takes the other's half-written one; the file left is one run's whole table."""
+    from rollout import out_file
+
+    out, write_table, pids = tmp_path / "x.parquet", out_file.pq.write_table, iter([100, 200])
+    monkeypatch.setattr(out_file.os, "getpid", lambda: next(pids))
+
+    def write_while_the_other_writes(table, where):
+        write_table(table, where)
+        if table.num_rows == 1:
+            out_file.write_out(pa.table({"a": [1, 2]}), out)
+
+    monkeypatch.setattr(out_file.pq, "write_table", write_while_the_other_writes)
+    out_file.write_out(pa.table({"a": [7]}), out)
+    assert pq.read_table(out).column("a").to_pylist() == [7]
+    assert [p.name for p in tmp_path.iterdir()] == ["x.parquet"]
+
+
 @pytest.fixture(scope="module")
 def embedded_ray(model_dir):
     """A private local Ray for the tests of `rollout serve`'s parts; yields the config it was started with."""

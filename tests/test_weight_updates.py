@@ -9,9 +9,11 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ActorAlreadyExistsError
 
+from rollout import weight_keeper
 from rollout.config import EngineConfig, ServiceConfig
-from rollout.weight_keeper import WeightKeeper
+from rollout.weight_keeper import WeightKeeper, start_keeper
 from rollout.weight_updates import WeightUpdates
 from workers.messages import TensorMeta, WeightUpdate
 
@@ -100,3 +102,27 @@ def test_the_keeper_replays_the_latest_update_and_a_broadcasts_exported_copy():
     kept = asyncio.run(keeper.keep_export(worker, broadcast))
     assert kept == WeightUpdate(version=4, mode="continue", transport="object_store", tensors=meta, arrays="arrays-ref")
     assert keeper.recall() is kept
+
+
+@pytest.mark.parametrize("held_s, started", [(0.4, True), (61.0, False)])
+def test_a_new_keeper_waits_for_the_killed_ones_name(monkeypatch, held_s, started):
+    """Ray releases a killed keeper's name shortly after the kill: start_keeper tries again every 0.2 s while the
+    name is held, for up to 60 s, then raises Ray's error."""
+    clock = [0.0]
+
+    def create() -> str:
+        if clock[0] < held_s:
+            raise ActorAlreadyExistsError("CONFIG-weights")
+        return "keeper"
+
+    actor = SimpleNamespace(options=lambda **options: SimpleNamespace(remote=create))
+    monkeypatch.setattr(weight_keeper, "stop_keeper", lambda config: None)
+    monkeypatch.setattr(weight_keeper.ray, "remote", lambda cls: actor)
+    monkeypatch.setattr(weight_keeper, "time", SimpleNamespace(
+        monotonic=lambda: clock[0], sleep=lambda seconds: clock.__setitem__(0, clock[0] + seconds)))
+    if started:
+        assert start_keeper(CONFIG) == "keeper" and clock[0] == pytest.approx(0.4)
+    else:
+        with pytest.raises(ActorAlreadyExistsError):
+            start_keeper(CONFIG)
+        assert 60 < clock[0] <= 60.2 + 1e-9
