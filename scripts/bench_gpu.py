@@ -173,9 +173,10 @@ def run_one(model: str, path: Path | None, item: str, system: str, args: argpars
     except Exception as err:  # one failed run must not lose the others' results on a lent GPU
         traceback.print_exc()
         result = {"status": f"failed: {type(err).__name__}: {err}"}
-    runs.free_memory(args.device)
+    host_cache_s = runs.free_memory(args.device)
     if args.device.startswith("cuda"):
         result["leftover_gib"] = torch.cuda.memory_allocated() / 2**30
+        result["host_cache_free_s"] = host_cache_s
     notes = "; ".join(x for x in (note, result.pop("note", "")) if x)
     return {**row, **result, "note": notes}
 
