@@ -1,7 +1,7 @@
 """The service's weight updates, with a stand-in worker pool: an update that fails on some workers only says
 which version each worker now holds (each row's policy_version stays true; the trainer must know to update
 again), and the failed update is not kept as the replay source of replacement workers; a checkpoint's stamp
-is checked by replays only."""
+is checked by replays only. The weight keeper, with stand-ins for Ray: what it recalls, and how it is started."""
 
 from __future__ import annotations
 
