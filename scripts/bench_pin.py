@@ -57,7 +57,7 @@ def register(pages: torch.Tensor) -> float:
     if not torch.cuda.is_available():
         return 0.0
     start = time.perf_counter()
-    pin_pages(pages)
+    pin_pages(pages, torch.device("cuda"))
     return time.perf_counter() - start
 
 

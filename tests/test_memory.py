@@ -10,7 +10,7 @@ import transformers
 
 from rollout import SamplingParams
 from rollout.config import EngineConfig
-from tests.conftest import make_engine, run
+from tests.conftest import ON_GPU, make_engine, run
 from workers.engine import memory
 from workers.engine.kv_cache import KvCache
 from workers.engine.offload import CpuPool
@@ -107,14 +107,16 @@ def test_fault_in_writes_every_page(threads):
 
 
 class StubCudart:
-    """cudaHostRegister/cudaHostUnregister as calls recorded into `log`, for `pinned_empty` on the CPU."""
+    """cudaHostRegister/cudaHostUnregister as calls recorded into `log`, for `pinned_empty` on the CPU;
+    registrations return `register_error`."""
 
-    def __init__(self, log: list) -> None:
+    def __init__(self, log: list, register_error: int = 0) -> None:
         self.log = log
+        self.register_error = register_error
 
     def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
         self.log.append(("register", nbytes))
-        return 0
+        return self.register_error
 
     def cudaHostUnregister(self, address: int) -> int:
         self.log.append(("unregister", address))
@@ -151,6 +153,27 @@ def test_pages_are_unpinned_even_when_the_sync_before_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="capturing"):
         memory.unpin_pages(4096, torch.device("cuda"))
     assert log == [("unregister", 4096)]
+
+
+def test_a_failed_registration_is_raised_with_cudas_last_error_cleared(monkeypatch):
+    """A failed cudaHostRegister raises, naming the size and CUDA's error, after clearing CUDA's last error."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: StubCudart(log, register_error=712))
+    monkeypatch.setattr(memory, "clear_last_error", lambda device: log.append(("clear", device.type)))
+    with pytest.raises(RuntimeError, match=f"cudaHostRegister of {memory.PAGE} bytes failed with CUDA error 712"):
+        memory.pinned_empty((memory.PAGE // 4,), torch.float32, torch.device("cuda"))
+    assert log == [("register", memory.PAGE), ("clear", "cuda")]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_a_failed_registration_leaves_no_error_for_the_next_cuda_call():
+    """Pages registered twice fail with CUDA error 712 (already registered). Left as CUDA's last error, it would
+    fail the next kernel launch anywhere (the next test's, in the tenth GPU session)."""
+    device = torch.device("cuda")
+    pinned = memory.pinned_empty((memory.PAGE,), torch.uint8, device)
+    with pytest.raises(RuntimeError, match="CUDA error 712"):
+        memory.pin_pages(pinned, device)
+    assert torch.ones(2, device=device).sum().item() == 2
 
 
 @pytest.mark.parametrize("cuda_graphs, offload_gib, phases", [

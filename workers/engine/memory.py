@@ -111,7 +111,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     pages = torch.frombuffer(mmap.mmap(-1, locked, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
     if locked >= THREADED_FAULT_BYTES:
         fault_in(pages, FAULT_THREADS)
-    pin_pages(pages)
+    pin_pages(pages, device)
     tensor = pages[:nbytes].view(dtype).view(shape)
     weakref.finalize(tensor, unpin_pages, pages.data_ptr(), device)
     return tensor
@@ -124,11 +124,22 @@ def fault_in(pages: torch.Tensor, threads: int) -> None:
         list(pool.map(lambda chunk: chunk[::PAGE].fill_(0), pages.chunk(16 * threads)))
 
 
-def pin_pages(pages: torch.Tensor) -> None:
-    """Page-lock `pages` (uint8, whole pages) with cudaHostRegister, which faults each page in first."""
+def pin_pages(pages: torch.Tensor, device: torch.device) -> None:
+    """Page-lock `pages` (uint8, whole pages) for `device` with cudaHostRegister, which faults each page in
+    first. A failure is raised here, and CUDA's last error cleared, so no later CUDA call is blamed for it."""
     err = torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)
     if int(err) != 0:
+        clear_last_error(device)
         raise RuntimeError(f"cudaHostRegister of {pages.numel()} bytes failed with CUDA error {int(err)}")
+
+
+def clear_last_error(device: torch.device) -> None:
+    """Reset CUDA's last error, which a failed cudaHostRegister leaves set: torch's check after a kernel launch
+    reads and resets it (raising it, which is caught here). torch binds no cudaGetLastError of its own."""
+    try:
+        torch.empty(1, device=device).zero_()
+    except RuntimeError:
+        pass
 
 
 def unpin_pages(address: int, device: torch.device) -> None:
