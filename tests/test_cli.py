@@ -238,7 +238,8 @@ def test_a_foreground_serve_fails_when_its_service_actor_dies(embedded_ray):
     threading.Timer(2.0, stopping.set).start()
     wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
     threading.Timer(2.0, ray.kill, [service]).start()  # dies after its first probes were answered
-    stopping, missed = threading.Event(), threading.Timer(20.0, lambda: stopping.set())
+    stopping = threading.Event()
+    missed = threading.Timer(20.0, stopping.set)
     missed.start()  # a wait that missed the death would return here
     with pytest.raises(RuntimeError, match="the service actor 'svc' died"):
         wait_for_stop(service, "svc", stopping)
