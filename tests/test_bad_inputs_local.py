@@ -5,7 +5,9 @@ starts no Ray and writes nothing) with an error naming the bad value or field.""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import pytest
 import ray
@@ -69,6 +71,15 @@ def test_unknown_engine_fields_and_missing_models_are_refused(tmp_path):
         EngineConfig(model=str(tmp_path), bogus=1)
     with refused("Engine", "model directory without config.json", f"EngineConfig.model={str(tmp_path)!r}"):
         make_engine(str(tmp_path))
+
+
+def test_a_truncated_weights_file_is_refused_naming_the_model(model_dir, tmp_path):
+    """safetensors' own error (not an OSError) escaped as it was, naming neither the model nor the file's fault."""
+    model = shutil.copytree(model_dir("qwen3"), tmp_path / "model")
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with refused("Engine", "truncated weights file", f"cannot load a causal LM from {str(model)!r}"):
+        make_engine(str(model))
 
 
 def test_a_device_this_machine_lacks_is_refused_naming_it(model_dir):

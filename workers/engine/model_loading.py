@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import transformers
+from safetensors import SafetensorError
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.quantizers.auto import AutoQuantizationConfig
 
@@ -86,7 +87,7 @@ def _load_errors(config: EngineConfig) -> Iterator[None]:
     """transformers' loading errors as ValueErrors that name the model directory, or the flag it needs."""
     try:
         yield
-    except (OSError, KeyError) as err:
+    except (OSError, KeyError, SafetensorError) as err:  # SafetensorError: a truncated or corrupt weights file
         raise ValueError(f"cannot load a causal LM from {config.model!r}: {err}") from err
     except ValueError as err:
         if "trust_remote_code" not in str(err):
