@@ -149,7 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before the model is built or Ray starts
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
-    rollout.init(LOCAL_CONFIG, model=str(demo_model()), num_workers=2)
+    rollout.init(LOCAL_CONFIG, model=demo_model(), num_workers=2)
     try:
         table = _run(DEMO_PROMPTS, args)
     finally:

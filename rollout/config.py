@@ -82,6 +82,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     windowed_kv: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
         check_types(self)
         _choice("device", self.device.split(":")[0], DEVICES)
         _check_device_index(self.device)
@@ -145,16 +147,17 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) -> ServiceConfig:
     """A ServiceConfig from a TOML path or a struct plus field overrides; EngineConfig fields may be
-    given at top level (`model=...`) or as an `engine` dict. A leading `~` in the model path is expanded."""
+    given at top level (`model=...`) or as an `engine` dict. The model path may be a `Path`; a leading `~` in it
+    is expanded."""
     if not isinstance(source, (ServiceConfig, str, os.PathLike)):
         raise ValueError(f"config={source!r:.60} must be a path to a TOML file or a ServiceConfig, "
                          f"not {type(source).__name__}")
     data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source, dict)
-    engine = {**data.get("engine", {}), **msgspec.to_builtins(overrides.pop("engine", {}))}
+    engine = {**data.get("engine", {}), **msgspec.to_builtins(overrides.pop("engine", {}), enc_hook=os.fspath)}
     engine.update({k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__struct_fields__})
-    config = convert({**data, **overrides, "engine": engine}, ServiceConfig)
-    model = os.path.expanduser(config.engine.model)
-    return msgspec.structs.replace(config, engine=msgspec.structs.replace(config.engine, model=model))
+    if isinstance(engine.get("model"), (str, os.PathLike)):  # anything else is refused by `convert`, named
+        engine["model"] = os.path.expanduser(os.fspath(engine["model"]))
+    return convert({**data, **overrides, "engine": engine}, ServiceConfig)
 
 
 def _bound(struct: msgspec.Struct, op: str, bound: float, *names: str) -> None:

@@ -64,6 +64,14 @@ def test_shipped_configs_load(tmp_path):
     assert (engine.model, engine.num_blocks, engine.dtype) == ("/e", 7, "auto")
 
 
+def test_a_model_path_may_be_a_path_object():
+    """`rollout.init(model=demo_model())`: a `Path`, as `init`'s config and `update_weights` take, held as a str."""
+    assert EngineConfig(model=Path("/e")).model == "/e"
+    for given in (dict(model=Path("~/m")), dict(engine={"model": Path("~/m")}),
+                  dict(engine=EngineConfig(model=Path("~/m")))):
+        assert load_service_config(**given).engine.model == f"{Path.home()}/m"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 def test_cuda_workers_without_gpus_fail_at_once(model):
     with pytest.raises(ValueError, match="needs 1 GPUs; this machine has 0"):
