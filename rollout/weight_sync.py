@@ -28,7 +28,14 @@ from workers.weight_format import (
     plan_buckets,
     to_numpy,
 )
-from workers.weight_group import broadcast, close_group, group_device, host_store, open_group
+from workers.weight_group import (
+    broadcast,
+    check_group_options,
+    close_group,
+    group_device,
+    host_store,
+    open_group,
+)
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -87,6 +94,7 @@ class WeightSync:
         collective that waits longer than `timeout_s` fails. The group this one `replaces` is closed once the
         options are accepted (a refused one leaves it working), before this one takes its port."""
         check_bucket_bytes(bucket_bytes)
+        check_group_options(host, port, timeout_s)
         with service_calls(service):
             world_size, backend = get_result(service.weight_group_spec.remote(backend))
             if replaces is not None:

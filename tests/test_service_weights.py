@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import re
 import time
 
 import pytest
@@ -259,6 +260,9 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
         first.update_weights(states[policies[0]], next(_versions), mode="continue")
     with pytest.raises(ValueError, match="backend 'nccl' needs CUDA engines"):
         rollout.init_weight_sync(backend="nccl")  # refused: the group it would replace goes on
+    for option, value in [("port", -1), ("port", "x"), ("timeout_s", 0), ("host", "1.2.3.4")]:
+        with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+            rollout.init_weight_sync(**{option: value})
     assert second.group is not None and [g for g in aborted if g is not None] == [group]
     version = next(_versions)
     second.update_weights(states[policies[1]], version)

@@ -5,6 +5,7 @@ the address given, never all interfaces. Ray-free."""
 
 from __future__ import annotations
 
+import math
 import socket
 from datetime import timedelta
 
@@ -12,6 +13,24 @@ import torch
 import torch.distributed as dist
 
 from workers.messages import BACKENDS
+
+
+def check_group_options(host: str | None, port: int, timeout_s: float) -> None:
+    """ValueError naming the first bad option of a group rank 0 would host: a port outside [0, 65535], a timeout
+    that is not a positive number of seconds, or a host this machine cannot listen on (checked by binding a free
+    port there, so that a refused group leaves the one it would replace alone)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r} must be an int in [0, 65535] (0 picks a free port)")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds")
+    if host is None:
+        return
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host={host!r} must be an address (a non-empty str) or None")
+    try:
+        socket.create_server((host, 0)).close()
+    except OSError as err:
+        raise ValueError(f"host={host!r} is not an address this machine can listen on: {err}") from None
 
 
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
