@@ -101,10 +101,13 @@ def _check(ok: bool, name: str, value: object, why: str) -> None:
         raise ValueError(f"SamplingParams.{name}={value!r} {why}")
 
 
-def check_update(version: int, mode: str) -> None:
-    """Raise ValueError unless `version` is an integer in [0, 2**63) (rows hold it as int64) and `mode` one of
-    UPDATE_MODES (the arguments every `update_weights` takes, checked where it is called)."""
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+def check_update(version: int, mode: str) -> int:
+    """`version` as a Python int; ValueError unless it is an integer in [0, 2**63) (rows hold it as int64; numpy
+    and torch integer scalars count, as in `SamplingParams`) and `mode` one of UPDATE_MODES (the arguments
+    every `update_weights` takes, checked where it is called)."""
+    plain = version.item() if getattr(version, "ndim", None) == 0 else version
+    if not isinstance(plain, int) or isinstance(plain, bool) or not 0 <= plain < 2**63:
         raise ValueError(f"version={version!r} must be an integer in [0, 2**63)")
     if mode not in UPDATE_MODES:
         raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")
+    return plain

@@ -46,7 +46,7 @@ def push_weights(service: ActorHandle, source: WeightSource, version: int, mode:
     defaults to "checkpoint" for a path and "object_store" for a state dict; "broadcast" goes through `sync`.
     Bad arguments raise ValueError before anything is sent; tensors the engines refuse (a missing name, a
     wrong shape or dtype) raise ValueError with every worker left on its old weights and version."""
-    check_update(version, mode)
+    version = check_update(version, mode)
     transport = transport or ("checkpoint" if isinstance(source, (str, Path)) else "object_store")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} must be one of {TRANSPORTS}")
@@ -110,7 +110,7 @@ class WeightSync:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "continue") -> None:
         """Broadcast `state_dict` as policy `version`; returns once every worker holds it. Tensors the engines
         refuse raise ValueError before anything is sent. Updates from several threads go one after another."""
-        check_update(version, mode)
+        version = check_update(version, mode)
         tensors = describe(check_state_dict(state_dict))
         update = WeightUpdate(version=version, mode=mode, transport="broadcast", tensors=tensors,
                               buckets=plan_buckets(tensors, self.bucket_bytes), group=self.spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -38,6 +39,16 @@ def test_update_then_greedy_matches_new_model(policies, as_dir):
     assert row["token_ids"] == hf_greedy(new, prompt)
     assert row["policy_version"] == row["first_policy_version"] == 1
     assert engine.stats()["cached_prefix_tokens"] == cached_before, "KV of the old weights is not reused"
+
+
+def test_a_numpy_or_torch_integer_version_is_held_as_an_int(policies):
+    """As `SamplingParams` takes them: a trainer's step counter is often one."""
+    engine = make_engine(policies[0])
+    for version in (np.int64(3), torch.tensor(4)):
+        engine.update_weights(policies[1], version=version)
+        assert type(engine.policy_version) is int and engine.policy_version == int(version)
+    row = run(engine, [[5, 6, 7]], GREEDY)[(0, 0)]
+    assert type(row["policy_version"]) is int and row["policy_version"] == 4
 
 
 def test_a_version_number_that_comes_back_never_matches_kv_of_other_weights(policies):

@@ -31,7 +31,7 @@ def swap_weights(engine: Engine, source: WeightSource, version: int, mode: str =
     them to it as they end (each step of a "finish" drain) and returns []; unstarted requests stay
     queued and run on the new weights, and so does a prompt still in prefill, computed again.
     """
-    check_update(version, mode)
+    version = check_update(version, mode)
     pairs = check_weights(engine.runner.model, load_source(source))
     rows: list[dict] = []
     emit = on_rows or rows.extend
