@@ -257,6 +257,7 @@ def test_sample_indices_subset(qwen3):
     ([5, 6], SamplingParams(n=2), None),
     ([5, 2.0], SamplingParams(), "prompt 0 has 2.0, which is not an integer token id"),
     (7, SamplingParams(), "prompt 0 must be a string or a list of token ids, got int"),
+    ("hello", SamplingParams(), "prompt 0 is a string; add_request takes token ids"),
 ])
 def test_bad_prompts_rejected_before_work(qwen3, prompt, params, match):
     engine = make_engine(qwen3)

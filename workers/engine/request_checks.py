@@ -32,6 +32,9 @@ def encode_prompts(prompts: object, tokenizer: transformers.PreTrainedTokenizerB
 def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int) -> list[int]:
     """Prompt `index` as a list of ints (lists, tuples, numpy arrays and tensors of integers)."""
     ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if isinstance(ids, str):  # `encode_prompts` encodes strings first: this is `add_request`'s
+        raise ValueError(f"prompt {index} is a string; add_request takes token ids (generate() encodes strings "
+                         "with the model's tokenizer)")
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
