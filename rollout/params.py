@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `logprobs_mode="processed"` reports each token's logprob under the distribution it was drawn from (after
     temperature, top-k, top-p, min-p, in that order, as in transformers), "raw" under the model's own; a greedy
     sample reports the model's own in both modes (as vLLM does; top_k=1 at a temperature is processed: 0).
+    A sample also ends with finish reason "length" where prompt and completion reach the engine's `max_model_len`,
+    before `max_new_tokens` if that comes first (as in vLLM).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).
     `stop` strings end a sample at the token whose text completes one of them (finish reason "stop"); that
     token stays in the sample, and the string in its text, so the tokens are what the model made. A string that is
