@@ -21,6 +21,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout import SamplingParams  # noqa: E402
+from tests.bad_inputs import LEFT_OUT, RAN  # noqa: E402
 from tests.model_zoo import ZOO, build_zoo_model  # noqa: E402
 from workers.engine import Engine, EngineConfig, model_loading  # noqa: E402
 from workers.engine.tiny_models import build_tiny_model  # noqa: E402
@@ -33,6 +34,17 @@ class CudaLooking(torch.Tensor):
     """A CPU tensor that reports `is_cuda`, to drive GPU-only branches and device checks without a GPU."""
 
     is_cuda = property(lambda self: True)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note each test this process runs, for the bad-input count (`tests.bad_inputs.report`)."""
+    if report.when == "call":
+        RAN.add(report.nodeid)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    """Note the tests `-k` or `-m` left out, for the same count."""
+    LEFT_OUT.update(item.path for item in items)
 
 
 ARCH_OVERRIDES = {

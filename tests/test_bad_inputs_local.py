@@ -254,7 +254,7 @@ def test_bad_prompts_are_refused_before_the_first_call_starts_the_service(monkey
         api.sample(prompts, n=2)
 
 
-def test_bad_paths_on_the_command_line_are_refused(cli):
+def test_bad_paths_on_the_command_line_are_refused(cli, request):
     run, tmp = cli
     cases = {"missing prompt file": (["--prompts", str(tmp / "nope.jsonl")], "does not exist"),
              "output is a directory": (["--out", str(tmp)], "is a directory"),
@@ -264,4 +264,4 @@ def test_bad_paths_on_the_command_line_are_refused(cli):
         with refused("CLI", kind, names):
             raise ValueError(run(*argv))
     assert re.search("error: ", run("RAW", "sample"))  # required flags missing
-    report(ENTRIES, minimum=40)
+    report(ENTRIES, minimum=40, request=request)

@@ -203,8 +203,8 @@ def test_bad_update_arguments_are_refused(service, weights, source, args, names,
             update(source, **args)
 
 
-def test_the_service_serves_on_after_every_bad_input(service):
+def test_the_service_serves_on_after_every_bad_input(service, request):
     client, _ = service
     table = rollout.sample([[5, 6, 7], "The capital of France is"], n=3, max_new_tokens=5).to_table()
     assert table.num_rows == 6 and {s["policy_version"] for s in client.stats().values()} == {0}
-    report(ENTRIES, minimum=40)
+    report(ENTRIES, minimum=40, request=request)
