@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 import transformers
+from arg_types import positive_int
 from bench_gpu_hf import generate_all
 
 from rollout import SamplingParams
@@ -267,11 +268,11 @@ def print_pressure(pressure: list[tuple[str, float, dict]],
 def rollout_parser(doc: str, prompts: int, new_tokens: int, repeats: int) -> argparse.ArgumentParser:
     """The options of a rollout benchmark (prompts, samples, new tokens, rounds, --skip-hf) with its defaults."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=prompts, help=f"number of prompts (default {prompts})")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt (default 8)")
-    parser.add_argument("--new-tokens", type=int, default=new_tokens,
+    parser.add_argument("--prompts", type=positive_int, default=prompts, help=f"number of prompts (default {prompts})")
+    parser.add_argument("--n", type=positive_int, default=8, help="samples per prompt (default 8)")
+    parser.add_argument("--new-tokens", type=positive_int, default=new_tokens,
                         help=f"tokens generated per sample (default {new_tokens})")
-    parser.add_argument("--repeats", type=int, default=repeats,
+    parser.add_argument("--repeats", type=positive_int, default=repeats,
                         help=f"interleaved rounds of every system (default {repeats})")
     parser.add_argument("--skip-hf", action="store_true", help="time only this engine")
     return parser

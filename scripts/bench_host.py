@@ -23,6 +23,7 @@ import timeit
 from typing import Any, Callable, Iterator
 
 import torch
+from arg_types import positive_int
 from bench_cpu import step_until_decoding, stub_forward
 
 from rollout import SamplingParams, schema
@@ -113,13 +114,22 @@ def finish_costs(path: str, size: int, new_tokens: int) -> tuple[float, float]:
 def main() -> None:
     """Parse options, build the tiny model, time the parts and print the tables."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512], help="running sequences")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--blocks", type=int, default=5, help="interleaved blocks per engine (median taken)")
-    parser.add_argument("--steps", type=int, default=10, help="steps per block")
-    parser.add_argument("--new-tokens", type=int, default=400, help="tokens per sample in the finish table")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the parts are small ops)")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[64, 256, 512],
+                        help="running sequences, multiples of 8: prompts of n = 8 (default 64 256 512)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                        help="engine configurations timed (default: all)")
+    parser.add_argument("--blocks", type=positive_int, default=5,
+                        help="interleaved blocks per engine, median taken (default 5)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="steps per block (default 10)")
+    parser.add_argument("--new-tokens", type=positive_int, default=400,
+                        help="tokens per sample in the finish table, at least 3 (default 400)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads (default 1: the parts are small ops)")
     args = parser.parse_args()
+    if any(size % 8 for size in args.sizes):  # fewer samples than asked would run, and the set-up wait forever
+        parser.error(f"--sizes={args.sizes}: each must be a multiple of 8 (prompts of n = 8)")
+    if args.new_tokens < 3:  # the samples must still run once all decode (two tokens each)
+        parser.error(f"--new-tokens={args.new_tokens} must be at least 3")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,7 @@ import mmap
 import time
 
 import torch
+from arg_types import positive_float, positive_int
 
 from workers.engine.memory import PAGE, fault_in, pin_pages, unpin_pages
 
@@ -31,8 +32,8 @@ ROW = "{:<16} {:>9} {:>11} {:>9} {:>14}"
 def parse_args() -> argparse.Namespace:
     """The size pinned and the thread counts that fault pages in."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=4.0, help="GiB pinned by each way (default 4)")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 4, 16],
+    parser.add_argument("--gib", type=positive_float, default=4.0, help="GiB pinned by each way (default 4)")
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=[1, 4, 16],
                         help="threads that write the pages before registering (default 1 4 16)")
     return parser.parse_args()
 

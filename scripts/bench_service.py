@@ -27,6 +27,7 @@ from workers.engine import Engine, EngineConfig
 from workers.engine.tiny_models import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arg_types import positive_int  # noqa: E402
 from bench_cpu import MODEL, make_prompts  # noqa: E402
 
 SERVICES = {"rollout.sample, 1 worker x 2 CPUs": dict(num_workers=1, cpus_per_worker=2.0),
@@ -85,9 +86,9 @@ def bench(path: str, args: argparse.Namespace) -> dict[str, list[float]]:
 def main() -> None:
     """Parse options, build the model, run the rounds and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=32, help="number of prompts (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sample (default 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per service (default 3)")
+    parser.add_argument("--prompts", type=positive_int, default=32, help="number of prompts (default 32)")
+    parser.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per sample (default 64)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="interleaved rounds per service (default 3)")
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

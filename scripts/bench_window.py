@@ -32,7 +32,7 @@ FULL = "engine, every token kept (previous version)"
 
 def bench_pressure(path: str, prompts: list[list[int]], args: argparse.Namespace) -> list[tuple[str, float, dict]]:
     """Both engines in one memory budget, a quarter and a half of the full cache's need (each sample's own
-    blocks, the prompt's shared)."""
+    blocks, the prompt's shared), but at least two longest samples and the rings' rows."""
     probe = dict(model=path, num_blocks=8, max_num_seqs=len(prompts) * args.n, max_model_len=cpu.longest(prompts, args))
     full = Engine(EngineConfig(**probe, windowed_kv="full")).runner
     window = Engine(EngineConfig(**probe, windowed_kv="window")).runner
@@ -42,10 +42,13 @@ def bench_pressure(path: str, prompts: list[list[int]], args: argparse.Namespace
           f"rings of {window.ring_tokens} tokens per row ({window.states.nbytes / 2**20:.1f} MiB for "
           f"{window.states.num_slots} rows); the workload needs {need / 2**20:.1f} MiB kept whole", flush=True)
     rows = []
+    floor = 2 * cpu.longest(prompts, args) * per_token + window.states.nbytes  # a small workload's share holds less
     for share in (4, 2):
-        gib = need / share / 2**30
+        gib = max(need / share, floor) / 2**30
         auto = Engine(EngineConfig(**{**probe, "num_blocks": None}, kv_cache_memory_gib=gib)).runner.layout.rings
-        print(f"1/{share} of the need: auto picks {'rings' if auto else 'every token'}", flush=True)
+        floored = " (raised to two longest samples and the rings)" if gib * 2**30 > need / share else ""
+        print(f"1/{share} of the need: {gib:.4f} GiB{floored}; auto picks {'rings' if auto else 'every token'}",
+              flush=True)
         for label, mode in (("rings", "window"), ("every token kept", "full")):
             rows.append((f"1/{share}: {label}", *cpu.capped_run(path, prompts, args, gib, windowed_kv=mode,
                                                                 max_num_seqs=len(prompts) * args.n)))
