@@ -135,6 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--memory-utilization={args.memory_utilization} must be at most 1")
     if args.scale > 256 or 256 % args.scale:
         parser.error(f"--scale={args.scale} must divide the prompt length 256")
+    budget = args.card_gib * args.memory_utilization - args.peak_gib
+    for model in args.models:
+        if budget * 2**30 <= shape(model)[0]:
+            parser.error(f"--card-gib={args.card_gib} x --memory-utilization={args.memory_utilization} - --peak-gib="
+                         f"{args.peak_gib} leaves no KV cache beside {model}'s {shape(model)[0] / 2**30:.1f} GiB of "
+                         "weights")
     return args
 
 

@@ -50,7 +50,8 @@ def test_a_cache_too_small_offloads_recomputes_and_slows_the_rate(tiny):
     (["--scale", "3"], "--scale=3 must divide"), (["--bandwidth-gbs", "0"], "--bandwidth-gbs=0.0 must be > 0"),
     (["--offload-gib", "-1"], "--offload-gib=-1.0 must be >= 0"),
     (["--memory-utilization", "1.5"], "--memory-utilization=1.5 must be at most 1"),
-    (["--workloads", "decode"], "invalid choice: 'decode'")])
+    (["--workloads", "decode"], "invalid choice: 'decode'"),
+    (["--card-gib", "4"], "--card-gib=4.0 x --memory-utilization=0.9 - --peak-gib=3.0 leaves no KV cache")])
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         est.parse_args(argv)
