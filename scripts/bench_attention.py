@@ -27,6 +27,7 @@ import sys
 from typing import Callable
 
 import torch
+from arg_types import positive_int
 from bench_gpu_runs import copy_bandwidth
 from gpu_timing import time_call
 
@@ -38,18 +39,22 @@ ROW = "{:>6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>9} {:>8} {:>12}"
 
 def parse_args() -> argparse.Namespace:
     """Command-line options: the shapes to run and the model's attention geometry."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--value-dim", type=int, default=None,
-                        help="values are the keys' first VALUE_DIM columns, one cache plane (latent attention)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--splits", type=int, nargs="+", default=[8],
-                        help="KV segments of the split path (several: a split row each)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=positive_int, nargs="+", default=[64, 256],
+                        help="sequences decoding, one shape each (default 64 256)")
+    parser.add_argument("--context", type=positive_int, nargs="+", default=[1024, 8192],
+                        help="cached tokens per sequence, one shape each (default 1024 8192)")
+    parser.add_argument("--heads", type=positive_int, default=32, help="query heads (default 32)")
+    parser.add_argument("--kv-heads", type=positive_int, default=8, help="key/value heads (default 8)")
+    parser.add_argument("--head-dim", type=positive_int, default=128, help="key width (default 128)")
+    parser.add_argument("--value-dim", type=positive_int, default=None,
+                        help="values are the keys' first VALUE_DIM columns, one cache plane (latent attention; "
+                             "default: separate values as wide as the keys)")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block (default 16)")
+    parser.add_argument("--splits", type=positive_int, nargs="+", default=[8],
+                        help="KV segments of the split path (several: a split row each; default 8)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="cache and query dtype (default bfloat16)")
     return parser.parse_args()
 
 

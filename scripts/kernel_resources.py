@@ -175,12 +175,13 @@ def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
 
 def main() -> None:
     """Compile every (arch, dtype, model, path) asked for and print the table; fails on any error."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capability")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90],
+                        help="compute capabilities compiled for (default 80 90: A100, H100/H200)")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
-                        choices=["bfloat16", "float16", "float32"])
+                        choices=["bfloat16", "float16", "float32"], help="dtypes (default bfloat16 float16)")
     shapes = [*MODELS, *DELTA_MODELS, *NORM_MODELS]
-    parser.add_argument("--models", nargs="+", default=shapes, choices=shapes, help="model shapes")
+    parser.add_argument("--models", nargs="+", default=shapes, choices=shapes, help="model shapes (default: all)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler")
