@@ -2,13 +2,15 @@
 latent cache against expanded K/V: how often the engine's greedy token is the forward's argmax, and how far
 its logprob is from the forward's, over 8 prompts x 24 tokens on the CPU.
 
-Usage: python scripts/latent_agreement.py MODEL_DIR [MODEL_DIR ...]   (e.g. the model bench_latent.py builds)
+Usage: python scripts/latent_agreement.py MODEL_DIR [MODEL_DIR ...]   (e.g. a DeepSeek-V2-Lite checkpoint, or
+bench_latent.py's model, built with `build_tiny_model(DIR, "deepseek_v2", **bench_latent.MLA)`)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -28,6 +30,9 @@ def engine_rows(path: str, use_latent: bool, prompts: list[list[int]]) -> list[d
     with patch:
         engine = Engine(EngineConfig(model=path, dtype="bfloat16", max_batch_tokens=16, max_num_seqs=8,
                                      num_blocks=512))
+    if use_latent and not any(getattr(m, "attends_latent", False) for m in engine.runner.model.modules()):
+        raise SystemExit(f"{path}: no layer attends from its latent (not multi-head latent attention), so "
+                         "there is nothing to compare")
     table = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, logprobs_mode="raw",
                                                     ignore_eos=True))
     return sorted(table.to_pylist(), key=lambda row: row["prompt_index"])
@@ -56,6 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", help="model directories with multi-head latent attention")
     args = parser.parse_args()
+    for path in args.models:
+        if not (Path(path) / "config.json").is_file():
+            parser.error(f"{path!r} is not a model directory (no config.json)")
     print(f"{'model':<40}{'cache':<10}{'argmax':>8}{'median':>9}{'mean':>9}{'max':>8}")
     for path in args.models:
         for use_latent in (True, False):
