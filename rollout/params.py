@@ -71,8 +71,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def from_kwargs(cls, **kwargs: Any) -> "SamplingParams":
         """Build from keyword arguments, turning unknown or ill-typed ones (numeric strings too) into a
         ValueError; numpy and torch scalars count as the Python numbers they hold."""
-        plain = {k: v.item() if getattr(v, "ndim", None) == 0 else v for k, v in kwargs.items()}
-        return msgspec.convert(plain, cls, strict=True)
+        return msgspec.convert({k: plain_number(v) for k, v in kwargs.items()}, cls, strict=True)
 
 
 def check_prompt_list(prompts: object) -> None:
@@ -107,9 +106,14 @@ def check_update(version: int, mode: str) -> int:
     """`version` as a Python int; ValueError unless it is an integer in [0, 2**63) (rows hold it as int64; numpy
     and torch integer scalars count, as in `SamplingParams`) and `mode` one of UPDATE_MODES (the arguments
     every `update_weights` takes, checked where it is called)."""
-    plain = version.item() if getattr(version, "ndim", None) == 0 else version
-    if not isinstance(plain, int) or isinstance(plain, bool) or not 0 <= plain < 2**63:
+    number = plain_number(version)
+    if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**63:
         raise ValueError(f"version={version!r} must be an integer in [0, 2**63)")
     if mode not in UPDATE_MODES:
         raise ValueError(f"mode={mode!r} must be one of {UPDATE_MODES}")
-    return plain
+    return number
+
+
+def plain_number(value: Any) -> Any:
+    """A numpy or torch scalar as the Python number it holds; anything else as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 else value
