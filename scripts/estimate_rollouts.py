@@ -96,12 +96,16 @@ def cost(log: list, weights: int, kv_per_token: int, args: argparse.Namespace) -
     return seconds
 
 
+def cache_bytes(model: str, args: argparse.Namespace) -> float:
+    """The KV cache the engine would size on the card beside `model`'s weights and the activation peak."""
+    return (args.card_gib * args.memory_utilization - args.peak_gib) * 2**30 - shape(model)[0]
+
+
 def estimate(tiny: Path, model: str, workload: str, args: argparse.Namespace) -> dict:
     """The estimated whole run of `workload` on `model`: cache and pool sizes, seconds, tokens/s, and the
     offloads and recomputes of the scaled run."""
     weights, kv_per_token = shape(model)
-    budget = args.card_gib * args.memory_utilization - args.peak_gib
-    cache_tokens = int((budget * 2**30 - weights) // kv_per_token)
+    cache_tokens = int(cache_bytes(model, args) // kv_per_token)
     pool_tokens = int(args.offload_gib * 2**30 // kv_per_token)
     log, stats = simulate(tiny, workload, cache_tokens, pool_tokens, args.scale)
     seconds = cost(log, weights, kv_per_token, args)
@@ -135,9 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--memory-utilization={args.memory_utilization} must be at most 1")
     if args.scale > 256 or 256 % args.scale:
         parser.error(f"--scale={args.scale} must divide the prompt length 256")
-    budget = args.card_gib * args.memory_utilization - args.peak_gib
     for model in args.models:
-        if budget * 2**30 <= shape(model)[0]:
+        if cache_bytes(model, args) <= 0:
             parser.error(f"--card-gib={args.card_gib} x --memory-utilization={args.memory_utilization} - --peak-gib="
                          f"{args.peak_gib} leaves no KV cache beside {model}'s {shape(model)[0] / 2**30:.1f} GiB of "
                          "weights")
