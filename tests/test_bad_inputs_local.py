@@ -14,6 +14,7 @@ import ray
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from rollout import SamplingParams
 from rollout.cli import main
@@ -79,6 +80,18 @@ def test_a_truncated_weights_file_is_refused_naming_the_model(model_dir, tmp_pat
     weights = model / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
     with refused("Engine", "truncated weights file", f"cannot load a causal LM from {str(model)!r}"):
+        make_engine(str(model))
+
+
+@pytest.mark.parametrize("dropped", ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"])
+def test_a_checkpoint_missing_weights_is_refused_naming_them(model_dir, tmp_path, dropped):
+    """transformers filled a missing tensor (a lost shard's, or the LM head of a base or reward model saved
+    without it) with random values, and the engine served that model of its own: each load sampled anew."""
+    model = shutil.copytree(model_dir("qwen3", tie_word_embeddings=False), tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    del weights[dropped]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with refused("Engine", "checkpoint missing weights", f"lacks 1 of the model's weights ({dropped})"):
         make_engine(str(model))
 
 

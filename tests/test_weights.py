@@ -75,6 +75,12 @@ def test_a_root_never_equals_a_one_token_block_of_older_weights(policies):
     assert run(engine, [tail], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, tail)
 
 
+def wrapped(state: dict) -> None:
+    """The names of DDP's wrapper (`module.`) around the model."""
+    for name in list(state):
+        state["module." + name] = state.pop(name)
+
+
 MIDDLE = "model.layers.1.self_attn.q_proj.weight"  # copy_ refuses a sparse source: the tensors before it were copied
 
 
@@ -85,7 +91,8 @@ MIDDLE = "model.layers.1.self_attn.q_proj.weight"  # copy_ refuses a sparse sour
     (lambda sd: sd.update({"model.norm.weight": sd["model.norm.weight"].half()}), "dtype torch.float16"),
     (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].to("meta")}), "'lm_head.weight' is a meta tensor"),
     (lambda sd: sd.update({MIDDLE: sd[MIDDLE].to_sparse()}), f"'{MIDDLE}' is a torch.sparse_coo tensor"),
-], ids=["missing", "unexpected", "shape", "dtype", "meta", "sparse-midway"])
+    (wrapped, r"^weights refused, nothing was changed: the names carry 'module.', which a wrapper \(DDP"),
+], ids=["missing", "unexpected", "shape", "dtype", "meta", "sparse-midway", "wrapper-prefix"])
 def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
     old, new = policies
     prompt = random_prompts(1, 512, (12, 12), seed=51)[0]
@@ -96,6 +103,17 @@ def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
         engine.update_weights(state, version=1)
     assert engine.policy_version == 0
     assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(old, prompt)
+
+
+def test_numpy_arrays_are_taken_with_negative_strides_too(policies):
+    """torch cannot view np.flip's arrays: its own error escaped, naming no weight."""
+    old, new = policies
+    state = {name: tensor.numpy() for name, tensor in hf_model(new).state_dict().items()}
+    state["model.norm.weight"] = np.ascontiguousarray(state["model.norm.weight"][::-1])[::-1]
+    engine = make_engine(old)
+    engine.update_weights(state, version=1)
+    prompt = random_prompts(1, 512, (12, 12), seed=52)[0]
+    assert run(engine, [prompt], GREEDY)[(0, 0)]["token_ids"] == hf_greedy(new, prompt)
 
 
 def test_tied_embeddings_update_from_a_checkpoint(model_dir):

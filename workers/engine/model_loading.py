@@ -47,10 +47,21 @@ def load_model(config: EngineConfig) -> transformers.PreTrainedModel:
     if config.device.startswith("cuda"):
         options["device_map"] = config.device
     with _load_errors(config):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config),
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, config=hf_config, dtype=memory.resolve_dtype(config, hf_config), output_loading_info=True,
             attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=config.trust_remote_code, **options)
+    _refuse_missing_weights(config, sorted(info["missing_keys"]))
     return model.eval()
+
+
+def _refuse_missing_weights(config: EngineConfig, missing: list[str]) -> None:
+    """A checkpoint without some of the model's weights (a base model saved without its LM head, a reward
+    model, a lost shard) is refused: transformers would fill them with random values, a model of its own."""
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"EngineConfig.model={config.model!r} lacks {len(missing)} of the model's weights "
+                         f"({shown}), which transformers would initialise at random; save the whole causal LM "
+                         "(e.g. AutoModelForCausalLM's save_pretrained)")
 
 
 # Quantized checkpoints that transformers dequantizes on load into plain full-precision modules, on every

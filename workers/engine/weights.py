@@ -7,6 +7,7 @@ from copy import deepcopy
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -48,7 +49,7 @@ def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
     pending: dict[str, WeightConverter] = {}
     sources: dict[str, list[str]] = {}
     for name, tensor in sorted(state.items(), key=lambda item: dot_natural_key(item[0])):
-        tensor = torch.as_tensor(tensor)
+        tensor = _tensor(tensor)
         new, pattern = (name, None) if name in targets else rename_source_key(
             name, renamings, converters, getattr(model, "base_model_prefix", None), targets)
         if pattern is None:
@@ -101,13 +102,14 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
              if name in targets or not any(p.search(name) for p in ignored)}
     given = {_storage(dst) for name, dst in targets.items() if name in state}
     problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
-    problems += [f"unexpected {name!r}" for name in state if name not in targets]
+    unexpected = [name for name in state if name not in targets]
+    problems = _wrapper_hint(targets, unexpected) + problems + [f"unexpected {name!r}" for name in unexpected]
     for name, dst in targets.items():
         src = state.get(name)
         if src is None:
             continue
         if not isinstance(src, torch.Tensor):
-            src = torch.as_tensor(src)
+            src = _tensor(src)
         if tuple(src.shape) != tuple(dst.shape):
             problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
         elif src.dtype != dst.dtype:
@@ -120,7 +122,32 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ValueError(f"weights refused, nothing was changed: {shown}")
-    return [(dst, torch.as_tensor(state[name])) for name, dst in targets.items() if name in state]
+    return [(dst, _tensor(state[name])) for name, dst in targets.items() if name in state]
+
+
+# Name components that wrappers add to a model's state dict: DDP's, torch.compile's, FSDP's, checkpointing's.
+WRAPPERS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _wrapper_hint(targets: Mapping[str, torch.Tensor], unexpected: list[str]) -> list[str]:
+    """A problem naming the wrapper components that unexpected names carry and the model's lack, said first:
+    the list of problems would otherwise open with the model's names as missing, and cut before the cause."""
+    found = set()
+    for name in unexpected:
+        parts = name.split(".")
+        if ".".join(part for part in parts if part not in WRAPPERS) in targets:
+            found.update(part for part in parts if part in WRAPPERS)
+    if not found:
+        return []
+    return [f"the names carry {', '.join(repr(part + '.') for part in sorted(found))}, which a wrapper (DDP, FSDP, "
+            "torch.compile) adds: send the unwrapped model's state dict (e.g. model.module.state_dict())"]
+
+
+def _tensor(value) -> torch.Tensor:
+    """`value` as a tensor; a numpy array with negative strides (np.flip's), which torch cannot view, copied."""
+    if isinstance(value, np.ndarray) and min(value.strides, default=0) < 0:
+        value = np.ascontiguousarray(value)
+    return torch.as_tensor(value)
 
 
 def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -132,7 +159,7 @@ def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, tor
         if name not in state:
             continue
         other = first.setdefault(_storage(dst), name)
-        a, b = torch.as_tensor(state[other]), torch.as_tensor(state[name])
+        a, b = _tensor(state[other]), _tensor(state[name])
         if other == name or a.is_meta or b.is_meta:  # names, shapes and dtypes only: values come later
             continue
         if _storage(a) != _storage(b) and not _same_bits(a, b.to(a.device)):  # (a tied source: one tensor)
