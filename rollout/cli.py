@@ -252,13 +252,14 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def summary(table: pa.Table, seconds: float) -> str:
-    """Samples, generated tokens, tokens/s, finish reasons and preemptions of a finished call."""
+    """Samples, generated tokens, tokens/s, finish reasons and samples preempted of a finished call (not a sum of
+    `num_preemptions`: a prompt's preemption before its fork is in each of its samples' counts)."""
     tokens = pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0
     reasons = pc.value_counts(table.column("finish_reason").cast(pa.string())).to_pylist()
     finished = ", ".join(f"{r['values']} {r['counts']}" for r in reasons)
-    preemptions = pc.sum(table.column("num_preemptions")).as_py() or 0
+    preempted = pc.sum(pc.greater(table.column("num_preemptions"), 0).cast(pa.int64())).as_py() or 0
     return (f"{table.num_rows} samples, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s); "
-            f"finish: {finished or '-'}; {preemptions} preemptions")
+            f"finish: {finished or '-'}; {preempted} preempted")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     assert table.column("prompt_token_ids").to_pylist()[3:6] == [[5, 6, 7, 8]] * 3
     assert {len(tokens) for tokens in table.column("token_ids").to_pylist()} == {5}
     summary = capsys.readouterr().out
-    assert "12 samples, 60 tokens" in summary and "0 preemptions" in summary
+    assert "12 samples, 60 tokens" in summary and "; 0 preempted" in summary
     prompts.write_text('"ok"\n\n\n[1, 99999]\n')  # the engines' check, named by the file's line
     with pytest.raises(SystemExit) as exit_info:
         main(["sample", "--model", model_dir("qwen3"), "--prompts", str(prompts), "--num-workers", "1",

@@ -52,7 +52,7 @@ def test_sample_passes_every_prompt_and_flag_and_writes_every_row(tmp_path, reco
     assert recorded["sample"] == (expected, {**sampling, "progress": True})
     assert pq.read_table(out).equals(RECORDED)
     printed = capsys.readouterr().out
-    assert "3 samples, 5 tokens in " in printed and "finish: length 2, stop 1; 3 preemptions" in printed
+    assert "3 samples, 5 tokens in " in printed and "finish: length 2, stop 1; 2 preempted" in printed
     assert f"wrote {out}" in printed
 
 
