@@ -28,9 +28,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     The KV cache has `num_blocks` blocks of `block_size` tokens (every layer); None sizes it: on CUDA
     to `gpu_memory_utilization` of the card minus the profiled peak of a forward and a sampler pass,
     on the CPU to `kv_cache_memory_gib` (None: a capped share of free memory), which also overrides
-    the CUDA rule when set. A step computes at most `max_batch_tokens` tokens for at most
-    `max_num_seqs` sequences. `cpu_offload_gib` sizes the CPU pool preempted requests are offloaded to
-    (0 = recompute instead; never more blocks than `max_num_seqs` sequences of `max_model_len` hold).
+    the CUDA rule when set; recurrent layers' per-sequence states come out of the budget too. A step
+    computes at most `max_batch_tokens` tokens for at most `max_num_seqs` sequences. `cpu_offload_gib` sizes
+    the CPU pool preempted requests are offloaded to (0 = recompute instead; never more blocks than
+    `max_num_seqs` sequences of `max_model_len` hold).
     `max_model_len` defaults to the model's `max_position_embeddings` (32768 for a model without one, such
     as Mamba); a longer one is refused at construction. `trust_remote_code` lets transformers run Python
     code shipped with the model (config.json `auto_map`); off by default, as that code runs with the

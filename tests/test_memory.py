@@ -33,6 +33,17 @@ def test_automatic_size_stays_within_the_budget(model_dir):
     assert len(rows) == 4
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba"])
+def test_a_set_budget_holds_the_recurrent_states_too(zoo_dir, name):
+    """The per-sequence states were allocated beside a KV cache given the whole budget: 1.25x and 1.6x of it."""
+    budget = 0.002
+    engine = make_engine(zoo_dir(name), num_blocks=None, kv_cache_memory_gib=budget, max_num_seqs=256)
+    runner = engine.runner
+    assert runner.states.nbytes > 0
+    assert runner.kv_cache.nbytes + runner.states.nbytes <= budget * GIB
+    assert runner.kv_cache.nbytes + runner.states.nbytes + runner.bytes_per_block > budget * GIB, "all of it used"
+
+
 def test_default_cpu_size_is_a_capped_share_and_never_more_than_max_num_seqs_need(model_dir):
     engine = make_engine(model_dir(), num_blocks=None, max_num_seqs=8)
     per_seq = -(-engine.max_model_len // 16)

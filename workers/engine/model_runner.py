@@ -146,20 +146,26 @@ class ModelRunner:
         they are chosen) holds; logged once."""
         sized = self.config.num_blocks is None
         num_blocks = self.config.num_blocks
-        budget = memory.kv_budget_bytes(self.config, self._profile_peak) if sized else num_blocks * self.bytes_per_block
+        budget = self._kv_budget() if sized else num_blocks * self.bytes_per_block
         budget -= self._add_rings(budget)
         if sized:
             try:
                 num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
             except ValueError as err:
-                counted = self.ring_blocks or (self.device.type == "cuda" and not self.config.kv_cache_memory_gib)
-                if self.states is None or not counted:
+                if self.states is None:
                     raise
                 raise ValueError(f"{err}; or lower max_num_seqs: the per-sequence state (recurrent layers' states, "
                                  f"windowed layers' rings) takes {self.states.nbytes / 2**30:.2f} GiB, a slot per "
                                  "sequence") from err
         memory.log_cache(num_blocks, self.block_size, self.bytes_per_block, sized)
         return num_blocks
+
+    def _kv_budget(self) -> int:
+        """The memory budget (memory.kv_budget_bytes) less the recurrent states, which are allocated before it:
+        a budget measured from a card's free memory has counted them already, a set or CPU one has not."""
+        budget = memory.kv_budget_bytes(self.config, self._profile_peak)
+        measured = self.device.type == "cuda" and self.config.kv_cache_memory_gib is None
+        return budget if measured or self.states is None else budget - self.states.nbytes
 
     def _add_rings(self, budget: int) -> int:
         """Keep the windowed layers' last keys only, in rings, where `windowed_kv` says so (window_ring.py): the
