@@ -21,6 +21,7 @@ from workers.actor import RolloutWorker
 
 log = logging.getLogger(__name__)
 _RemoteWorker = ray.remote(RolloutWorker)
+PLACEMENT_LOG_S = 30.0  # how often a placement still pending is logged
 _NAME_RELEASE_S = 60.0  # how long a lost worker's actor name may stay taken after it was killed
 _REPLACE_TRIES = 3  # fresh workers started for one lost worker while each dies before it takes work
 
@@ -65,15 +66,7 @@ class WorkerPool:
         for worker in range(self.size):  # a restarted service waits for its predecessor's names to be released
             self.workers[worker] = await self._respawn(worker)
             self.load[worker] = 0
-        try:
-            await asyncio.wait_for(self.placement.ready(), self.config.placement_timeout_s)
-        except asyncio.TimeoutError:
-            bundle, cluster = self.placement.bundle_specs[0], ray.cluster_resources()
-            have = {k: cluster.get(k, 0) for k in bundle}
-            raise RuntimeError(
-                f"could not place {self.size} workers of {bundle} within "
-                f"{self.config.placement_timeout_s} s (strategy {self.config.placement_strategy}); "
-                f"the cluster has {have}") from None
+        await self._wait_placement()
         try:
             sizes = await asyncio.gather(*(w.ready.remote() for w in self.workers.values()))
         except BaseException:  # a worker whose engine failed lives on to report it: end them all now
@@ -84,6 +77,32 @@ class WorkerPool:
             self._watch(worker, handle)
         self.stall_watch = asyncio.get_running_loop().create_task(StallWatch(self).run())
         return len(self.workers)
+
+    async def _wait_placement(self) -> None:
+        """Wait up to `placement_timeout_s` for the workers' placement, saying every PLACEMENT_LOG_S what it
+        waits for (a request the cluster cannot hold would otherwise wait in silence); RuntimeError after."""
+        ready = asyncio.ensure_future(self.placement.ready())
+        deadline = time.monotonic() + self.config.placement_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            done, _ = await asyncio.wait([ready], timeout=min(PLACEMENT_LOG_S, max(left, 0)))
+            if done:
+                return await ready
+            if left <= PLACEMENT_LOG_S:
+                ready.cancel()
+                raise RuntimeError(f"could not place {self._placement_need()} within "
+                                   f"{self.config.placement_timeout_s} s (strategy "
+                                   f"{self.config.placement_strategy}); {self._placement_have()}")
+            log.warning("waiting for the placement of %s (up to placement_timeout_s=%s s); %s",
+                           self._placement_need(), self.config.placement_timeout_s, self._placement_have())
+
+    def _placement_need(self) -> str:
+        return f"{self.size} worker{'s' * (self.size != 1)} of {self.placement.bundle_specs[0]}"
+
+    def _placement_have(self) -> str:
+        bundle, total, free = self.placement.bundle_specs[0], ray.cluster_resources(), ray.available_resources()
+        return (f"the cluster has {({k: total.get(k, 0) for k in bundle})} in all, "
+                f"{({k: free.get(k, 0) for k in bundle})} free")
 
     def _watch(self, worker: int, handle: ActorHandle) -> None:
         """Notice the worker's death even while no call of it runs, so that it is replaced at once."""

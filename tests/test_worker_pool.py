@@ -108,3 +108,20 @@ def test_call_all_raises_a_workers_error_and_leaves_a_lost_worker_out(monkeypatc
     assert list(pool.workers) == [0, 2]
     del pool.workers[2]
     assert asyncio.run(pool.call_all("update_weights", 4)) == {0: 4}
+
+
+def test_a_pending_placement_is_logged_then_fails_naming_what_the_cluster_has_free(monkeypatch, caplog):
+    """A placement the cluster could not hold waited the whole `placement_timeout_s` (10 minutes in
+    cluster.toml) in silence, and the error then gave the cluster's total, not what was free."""
+    monkeypatch.setattr(pool_module, "PLACEMENT_LOG_S", 0.2)
+    monkeypatch.setattr(pool_module.ray, "cluster_resources", lambda: {"CPU": 4.0, "memory": 1e9})
+    monkeypatch.setattr(pool_module.ray, "available_resources", lambda: {"memory": 1e9})
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.size = 1
+    pool.config = SimpleNamespace(placement_timeout_s=0.5, placement_strategy="PACK")
+    pool.placement = SimpleNamespace(bundle_specs=[{"CPU": 1.0}], ready=lambda: asyncio.Event().wait())
+    with pytest.raises(RuntimeError, match=r"^could not place 1 worker of \{'CPU': 1.0\} within 0.5 s \(strategy "
+                                           r"PACK\); the cluster has \{'CPU': 4.0\} in all, \{'CPU': 0\} free$"):
+        asyncio.run(pool._wait_placement())
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the placement")]
+    assert waits and "1 worker of {'CPU': 1.0} (up to placement_timeout_s=0.5 s)" in waits[0]
