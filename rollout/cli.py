@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--detach", action="store_true", help=(
         "return once the service is ready, leaving it running (stop it with `rollout stop`); by default "
         "it runs until this process is stopped, e.g. by `ray job stop`"))
-    _command(sub, _stop, [service, cluster], "stop a service started with `rollout serve --detach`")
+    _command(sub, _stop, [service, cluster], "stop a service started with `rollout serve` (--detach or not)")
     return parser
 
 
@@ -171,7 +171,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_service_config(args.config, **_overrides(args))
     join_cluster(args.address, config.namespace)
-    service = launch(config, detached=args.detach)
+    with _sigterm_as_interrupt():  # while the engines load: `ray job stop` ends it as Ctrl-C does
+        service = launch(config, detached=args.detach)
     print(f"rollout service {config.name!r} ready in namespace {config.namespace!r} with "
           f"{ray.get(service.ready.remote())} workers", flush=True)
     if args.detach:
@@ -180,16 +181,17 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        wait_for_stop(service, config.name, stopping)
+        by = " by `rollout stop` (or ray.kill)" if wait_for_stop(service, config.name, stopping) else ""
     finally:
         stop(service)
-    print(f"rollout service {config.name!r} stopped", flush=True)
+    print(f"rollout service {config.name!r} stopped{by}", flush=True)
     return 0
 
 
-def wait_for_stop(service: Any, name: str, stopping: threading.Event) -> None:
-    """Return once `stopping` is set; RuntimeError as soon as the service actor dies meanwhile: Ray does not
-    restart a foreground service, so `rollout serve` (a job) must fail rather than run on without it."""
+def wait_for_stop(service: Any, name: str, stopping: threading.Event) -> bool:
+    """Return once `stopping` is set (False), or once the service actor was killed on purpose (True:
+    `rollout stop`); RuntimeError as soon as it dies otherwise: Ray does not restart a foreground service, so
+    `rollout serve` (a job) must fail rather than run on without it."""
     import ray
 
     probe = service.ready.remote()
@@ -198,13 +200,17 @@ def wait_for_stop(service: Any, name: str, stopping: threading.Event) -> None:
             try:
                 ray.get(probe)
             except ray.exceptions.RayActorError as err:
+                if "killed by `ray.kill`" in str(err):  # Ray's words for a kill, not a loss
+                    return True
                 raise RuntimeError(f"the service actor {name!r} died, and with it its workers ({err})") from None
             probe = service.ready.remote()
+    return False
 
 
 def _stop(args: argparse.Namespace) -> int:
     """Stop the service named by --config (its workers, the service actor and its weight keeper) on a running
-    Ray cluster; exit status 1 when no such service runs (a keeper it left behind is stopped all the same)."""
+    Ray cluster; exit status 1 when no such service runs (a keeper it left behind is stopped all the same). A
+    `rollout serve` running in the foreground then exits with status 0, as after `ray job stop`."""
     from rollout.local_ray import join_cluster, named_actor
     from rollout.service import stop
     from rollout.weight_keeper import stop_keeper

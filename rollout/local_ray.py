@@ -93,6 +93,7 @@ def join_cluster(address: str, namespace: str) -> None:
         _loopback_only()
     if host and str(port).isdigit():
         _check_listening(address, host, int(port))
+        _refuse_http(address, host, int(port))
     ray.init(address=address, namespace=namespace)
 
 
@@ -109,6 +110,22 @@ def _check_listening(address: str, host: str, port: int) -> None:
                 raise ConnectionError(f"no Ray cluster at {address!r}: nothing accepts connections at "
                                       f"{host}:{port} ({err.strerror or err}); is the head node running?") from None
             time.sleep(0.5)
+
+
+def _refuse_http(address: str, host: str, port: int) -> None:
+    """ValueError when `host:port` answers HTTP/1: the dashboard's address (what `ray job submit` takes), where
+    Ray would retry for ever. The GCS speaks gRPC (HTTP/2), which never answers so."""
+    try:
+        with socket.create_connection((host, port), timeout=HEAD_WAIT_S) as conn:
+            conn.settimeout(2.0)
+            conn.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            reply = conn.recv(8)
+    except OSError:
+        return
+    if reply.startswith(b"HTTP/1."):
+        raise ValueError(f"{address!r} answers HTTP: it is the Ray dashboard's address (for `ray job submit`), not "
+                         "the cluster's; give the head node's GCS address, HOST:PORT of `ray start --head --port` "
+                         "(default 6379)")
 
 
 def _address_left_by_ray_start() -> str | None:

@@ -12,6 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:-configs/cluster.toml}"
 shift $(( $# > 0 ? 1 : 0 ))
+if [[ "$(realpath -m "$config")" != "$(pwd)"/* ]]; then  # the job gets a copy of the repository, nothing else
+    echo "submit_job.sh: config file '$config' is outside the repository $(pwd), which is all the job gets a copy of" >&2
+    exit 2
+fi
 if [[ ! -f "$config" ]]; then  # the job reads it from the uploaded repository: a path relative to the root
     echo "submit_job.sh: config file '$config' not found in $(pwd) (a CONFIG path is relative to the repository root)" >&2
     exit 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import socket
@@ -124,6 +125,22 @@ def test_an_address_where_nothing_listens_exits_with_a_message(command, monkeypa
     assert f"error: no Ray cluster at '127.0.0.1:{port}': nothing accepts connections" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "stop"])
+def test_the_dashboards_address_exits_with_a_message(command, monkeypatch, capsys):
+    """The dashboard's HOST:PORT (the one `ray job submit` takes) accepts connections: Ray retried for ever."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(local_ray.ray, "init", lambda **kwargs: pytest.fail(f"ray.init({kwargs})"))
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--address", f"127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+    assert exit_info.value.code == 2
+    assert (f"error: '127.0.0.1:{server.server_port}' answers HTTP: it is the Ray dashboard's address"
+            in capsys.readouterr().err)
+
+
 def test_an_unwritable_out_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys):
     (tmp_path / "good.jsonl").write_text('"ok"\n')
     monkeypatch.setattr("rollout.init", lambda *a, **k: pytest.fail("sampled before checking --out"))
@@ -169,6 +186,20 @@ def test_sigterm_is_handled_as_ctrl_c_and_its_handler_restored(tmp_path, monkeyp
     with pytest.raises(SystemExit) as exit_info:
         main(["sample", "--prompts", str(tmp_path / "good.jsonl"), "--out", str(tmp_path / "x.parquet")])
     assert exit_info.value.code == 130 and "was not written" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == (signal.SIG_DFL if before is None else before)
+
+
+def test_sigterm_while_serve_loads_its_engines_is_handled_as_ctrl_c(model_dir, monkeypatch, capsys):
+    """`ray job stop` while the engines load (or the placement waits): Ray's own handler dumped a stack."""
+    def terminated_launch(config, detached):
+        TerminatedStream().to_table()
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(local_ray, "join_cluster", lambda address, namespace: None)
+    monkeypatch.setattr("rollout.service.launch", terminated_launch)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", model_dir("qwen3")])
+    assert exit_info.value.code == 130 and "rollout serve: interrupted" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) == (signal.SIG_DFL if before is None else before)
 
 
@@ -226,18 +257,22 @@ def embedded_ray(model_dir):
 
 def test_a_foreground_serve_fails_when_its_service_actor_dies(embedded_ray):
     """Ray does not restart a foreground service: `rollout serve` must end with an error, not run on as a
-    healthy-looking job with no service behind it."""
+    healthy-looking job with no service behind it. Killed on purpose (`rollout stop`) it ends as stopped: the
+    job failed, and the error called the stop a death."""
     from rollout.cli import wait_for_stop
 
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, max_restarts=0)
     class Service:
         async def ready(self) -> int:
             return 1
 
+        def die(self) -> None:
+            os._exit(1)
+
     stopping, service = threading.Event(), Service.remote()
     threading.Timer(2.0, stopping.set).start()
-    wait_for_stop(service, "svc", stopping)  # a live service: returns once stopped
-    threading.Timer(2.0, ray.kill, [service]).start()  # dies after its first probes were answered
+    assert wait_for_stop(service, "svc", stopping) is False  # a live service: returns once stopped
+    threading.Timer(2.0, service.die.remote).start()  # dies after its first probes were answered
     stopping = threading.Event()
     missed = threading.Timer(20.0, stopping.set)
     missed.start()  # a wait that missed the death would return here
@@ -246,6 +281,12 @@ def test_a_foreground_serve_fails_when_its_service_actor_dies(embedded_ray):
     missed.cancel()
     with pytest.raises(RuntimeError, match="the service actor 'svc' died"):  # dead before the wait
         wait_for_stop(service, "svc", threading.Event())
+    stopped, stopping = Service.remote(), threading.Event()
+    threading.Timer(2.0, ray.kill, [stopped]).start()
+    missed = threading.Timer(20.0, stopping.set)
+    missed.start()
+    assert wait_for_stop(stopped, "svc", stopping) is True and not stopping.is_set()
+    missed.cancel()
 
 
 def test_cuda_workers_on_a_cluster_without_gpus_are_refused_before_the_service_starts(embedded_ray):
@@ -269,3 +310,7 @@ def test_submit_job_refuses_a_config_the_job_would_not_find(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "http://127.0.0.1:9"}  # nothing listens: nothing may be submitted
     done = subprocess.run(["bash", script, "no/such.toml"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "config file 'no/such.toml' not found" in done.stderr
+    outside = tmp_path / "cluster.toml"  # exists here, but not in the job's copy of the repository
+    outside.write_text(open(os.path.join(os.path.dirname(script), "..", "configs", "cluster.toml")).read())
+    done = subprocess.run(["bash", script, str(outside)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"config file '{outside}' is outside the repository" in done.stderr
