@@ -20,6 +20,6 @@ def test_only_the_service_actors_own_death_is_service_unavailable(monkeypatch):
         with service_calls(SERVICE):
             raise RayActorError(actor_id="bb" * 16)
     assert not isinstance(error.value, ServiceUnavailable) and error.value.actor_id == "bb" * 16
-    with pytest.raises(ServiceUnavailable, match=r"the rollout service actor was stopped \(`rollout stop`\), died or is restarting"):
+    with pytest.raises(ServiceUnavailable, match=r"actor was stopped \(`rollout stop`\), died or is restarting"):
         with service_calls(SERVICE):
             raise RayActorError(actor_id="aa" * 16)
