@@ -119,8 +119,10 @@ def _cluster_options() -> argparse.ArgumentParser:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    """Sample --n completions of every prompt in --prompts with the service of --config (by default an
-    embedded local Ray with 2 CPU workers), write them to --out as Parquet and print a summary."""
+    """Sample --n completions of every prompt in --prompts with the service of --config, started for this
+    command on an embedded local Ray (by default 2 CPU workers) and stopped after, write them to --out as
+    Parquet and print a summary. A service running on a cluster is sampled from Python, with
+    trainer_client.RolloutClient.connect."""
     import rollout
     from rollout.stream import sampling_params
 
