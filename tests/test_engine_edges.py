@@ -9,6 +9,7 @@ import torch
 
 from rollout import SamplingParams
 from tests.conftest import assert_nothing_leaked, ctrl_c_at_step, gib_per_block, make_engine, random_prompts, run
+from workers.engine.batch import Batch
 from workers.engine.block_pool import prompt_hash
 from workers.engine.sampler import filtered_logits, inverse_cdf, sample_key, sampling_arrays, sampling_batch, uniforms
 from workers.engine.staging import Staging
@@ -204,15 +205,18 @@ def test_a_finish_drain_admits_no_queued_request(qwen3):
 def test_a_finish_drain_readmits_a_preempted_sample_ahead_of_a_restarted_prompt(qwen3):
     """A "finish" update lands while a sample preempted for recompute waits and a newer prompt is in chunked
     prefill: the prompt restarts first in line, but the drain readmits the started sample ahead of it and finishes
-    it on the old weights (left behind the prompt, which a drain never admits, nothing could be scheduled)."""
-    engine = make_engine(qwen3, block_size=4, num_blocks=8, max_batch_tokens=8, cpu_offload_gib=0)
+    it on the old weights (left behind the prompt, which a drain never admits, nothing could be scheduled). The
+    newest are preempted first, so the sample is preempted here by hand, as a newer sample would be."""
+    engine = make_engine(qwen3, block_size=4, num_blocks=64, max_batch_tokens=8, cpu_offload_gib=0)
     short, long = random_prompts(1, 512, (4, 4), seed=3)[0], random_prompts(1, 512, (24, 24), seed=4)[0]
     engine.add_request(short, SamplingParams(n=2, temperature=0, max_new_tokens=16, ignore_eos=True), prompt_index=0)
     engine.add_request(long, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True), prompt_index=1)
     rows, scheduler = [], engine.scheduler
-    while not (any(s.started for s in scheduler.waiting) and any(not s.started for s in scheduler.running)):
-        assert engine.has_unfinished(), "no sample was preempted while the long prompt was in prefill"
+    while not (sum(s.started for s in scheduler.running) == 2 and any(not s.started for s in scheduler.running)):
+        assert engine.has_unfinished(), "the short prompt's samples never decoded while the long one was in prefill"
         rows += engine.step()
+    scheduler._preempt(next(s for s in scheduler.running if s.started), Batch())
+    assert any(s.started for s in scheduler.waiting)
     rows += engine.update_weights(engine.state_dict(), version=1, mode="finish")
     while engine.has_unfinished():
         rows += engine.step()

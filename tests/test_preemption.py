@@ -97,6 +97,32 @@ def test_a_prompt_in_prefill_is_not_held_back_by_newer_ones(model_dir):
     assert step < 60, f"the long prompt finished only at step {step}"
 
 
+def test_a_recomputing_context_is_not_the_next_victim_of_newer_requests(model_dir):
+    """Two long prompts forked 8 ways on a cache far too small, a CPU pool too small for one sample: the
+    running sequences stay in their requests' order through recomputes, restores and forks, so the newest
+    are preempted and the oldest make progress. A recompute used to run last, and was preempted again before
+    it made a token: 3 of 36 preemptions here, in 168 steps where 106 do."""
+    path = model_dir("qwen3")
+    engine = make_engine(path, block_size=4, num_blocks=100, max_batch_tokens=32,
+                         cpu_offload_gib=4 * gib_per_block(path, 4))
+    params = SamplingParams(n=8, temperature=1.0, seed=3, max_new_tokens=40, ignore_eos=True)
+    for prompt in random_prompts(2, 512, (150, 150), seed=36):
+        engine.add_request(prompt, params)
+    scheduler, preempted = engine.scheduler, []  # (sequence, its tokens) at each preemption
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda seq, batch: (preempted.append((seq, len(seq.token_ids))), preempt(seq, batch))
+    while engine.has_unfinished():
+        engine.step()
+        order = [(seq.arrival, seq.sample_indices[0]) for seq in scheduler.running]
+        assert order == sorted(order)
+    last: dict[int, int] = {}
+    fruitless = 0
+    for seq, tokens in preempted:
+        fruitless += last.get(id(seq)) == tokens
+        last[id(seq)] = tokens
+    assert engine.stats()["recomputes"] > 0 and fruitless == 0
+
+
 def test_cpu_pool_is_capped_with_a_warning(model_dir):
     with pytest.warns(UserWarning, match="the CPU pool gets at most"):
         engine = make_engine(model_dir("qwen3"), cpu_offload_gib=1e6)

@@ -2,12 +2,16 @@
 
 When blocks run short, the newest running requests are preempted, enough at once that every
 remaining decode gets its block: offloaded to the CPU pool when it has room, otherwise reset for
-recompute. Offloaded requests are restored before any new prompt is admitted.
+recompute. Offloaded requests are restored before any new prompt is admitted. Running sequences keep
+their requests' order of arrival, a restored or recomputing one in its place, so that the oldest always
+make progress (appended last, a context being recomputed was the next victim, before it made a token).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 from collections import deque
 from typing import Callable, Iterator
 
@@ -36,7 +40,8 @@ class Scheduler:
         self.tables = tables
         self.block_size = config.block_size
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # oldest request first (`_age`)
+        self.arrivals = itertools.count()
         self.offloader = Offloader(pool, tables, cpu_pool)
         self.counters = dict.fromkeys(("cached_prefix_tokens", "recomputes", *TOKEN_COUNTERS), 0)
         self.roots = HashRoots(rope_switch_length)
@@ -52,6 +57,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence behind the waiting ones."""
+        seq.arrival = next(self.arrivals)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -191,7 +197,7 @@ class Scheduler:
         restored, lost = self.offloader.restore_fitting(batch, self.pool.num_available - growing, room)
         for seq in lost:
             self._reset(seq)
-        self.running += restored
+        self._run(restored)
         return restored
 
     def _admit(self, batch: Batch, budget: int) -> int:
@@ -210,7 +216,7 @@ class Scheduler:
             used += n
             self.counters["cached_prefix_tokens"] += cached
             seq.status = Status.RUNNING
-            self.running.append(self.waiting.popleft())
+            self._run([self.waiting.popleft()])
         return used
 
     def _fits(self, seq: Sequence) -> bool:
@@ -250,8 +256,13 @@ class Scheduler:
         """Run a prompt's new children beside it, sharing its blocks (`share_blocks`); returns the (src, dst)
         block copies to make."""
         copies = share_blocks(self.pool, seq, children)
-        self.running.extend(children)
+        self._run(children)
         return copies
+
+    def _run(self, seqs: list[Sequence]) -> None:
+        """Add `seqs` to the running ones, each in its request's place by arrival."""
+        for seq in seqs:
+            bisect.insort(self.running, seq, key=_age)
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Free finished or aborted sequences' blocks, wherever they are: one pass over the running ones, and
@@ -289,3 +300,8 @@ class Scheduler:
                 assert self.pool.ref_counts[block] == 1, f"block {block} is shared but still written"
         self.tables.check(seqs)
         self.offloader.check()
+
+
+def _age(seq: Sequence) -> tuple[int, int]:
+    """A running sequence's place: its request's arrival, then its sample index."""
+    return seq.arrival, seq.sample_indices[0]

@@ -84,6 +84,7 @@ class Sequence:
     cpu_state: int = -1  # the CPU pool's state slot holding an offloaded sequence's recurrent state
     row: int = -1
     long_rope: bool = False  # its KV uses a LongRoPE model's long factors (hash_roots.py)
+    arrival: int = 0  # when its request was added (the scheduler's count): older sequences run first
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.group.prompt_token_ids)  # read every step: a plain attribute
@@ -117,4 +118,4 @@ class Sequence:
         return Sequence(self.group, [sample_index], list(self.token_ids), self.status,
                         self.num_computed_tokens, list(self.block_table), list(self.block_hashes),
                         list(self.logprobs), list(self.versions), self.hash_root, self.num_preemptions,
-                        long_rope=self.long_rope)
+                        long_rope=self.long_rope, arrival=self.arrival)
