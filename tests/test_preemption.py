@@ -64,6 +64,8 @@ def test_outputs_identical_under_pressure(workload, cpu_blocks, expect, device):
         assert rows[key]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
     assert sum(r["num_preemptions"] for r in rows.values()) >= stats["offloads"]
     assert all(r["num_preemptions"] == 0 for r in roomy.values())
+    # every token sampled after a sample's first is a decode, the last of a recompute's chunk too
+    assert stats["decode_tokens"] == sum(len(r["token_ids"]) - 1 for r in rows.values())
 
 
 @pytest.mark.timeout(120)

@@ -124,8 +124,9 @@ class Scheduler:
         return decodes, prefills
 
     def update(self, batch: Batch) -> int:
-        """After the launch: count the computed tokens (a sample's last token is a decode; other
-        tokens are prompt prefill, or recompute after a preemption) and register completed blocks.
+        """After the launch: count the computed tokens (a sample's last token is a decode, also at the end of
+        a recompute; other tokens are prompt prefill, or recompute after a preemption) and register completed
+        blocks.
         Returns the tokens wasted: those of sequences that finished meanwhile (a stop token of the step
         before, collected after this one was launched)."""
         counters, bs, decodes, wasted, finished = self.counters, self.block_size, 0, 0, Status.FINISHED
@@ -135,9 +136,9 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             length = len(seq.token_ids)
-            if n == 1 and computed == length and length > seq.num_prompt_tokens:
-                decodes += 1
-            else:
+            if computed == length and length > seq.num_prompt_tokens:  # its last sampled token: computed anew
+                decodes, n = decodes + 1, n - 1
+            if n:
                 counters["recomputed_tokens" if seq.num_preemptions else "prefill_tokens"] += n
             if computed >= (len(seq.block_hashes) + 1) * bs:
                 self.pool.register_blocks(seq)
