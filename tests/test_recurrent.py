@@ -94,6 +94,16 @@ def test_the_cpu_pool_keeps_a_state_slot_per_offloaded_sequence(zoo_dir):
     assert len(small.free_states) == 1 and small.num_blocks == (5000 - 2048) // small.bytes_per_block
 
 
+def test_a_cpu_pool_without_room_for_one_state_slot_warns_and_keeps_no_block(zoo_dir):
+    """Half of 3000 bytes holds no 2048-byte state slot: no sequence can be offloaded, and the pool's KV blocks
+    were allocated and never used, without a word."""
+    with pytest.warns(UserWarning, match=r"holds no per-sequence state slot \(2048 bytes each, in at most 50% of "
+                                         r"the pool\): preempted requests are recomputed; offloading one needs at "
+                                         r"least 3.815e-06 GiB"):
+        pool = make_engine(zoo_dir(MODEL), block_size=8, max_num_seqs=4, cpu_offload_gib=3000 / 2**30).cpu_pool
+    assert pool.num_states == pool.num_blocks == 0
+
+
 def test_a_repeated_prompt_is_computed_again_not_taken_from_the_prefix_cache(zoo_dir):
     engine = make_engine(zoo_dir(MODEL), block_size=8)
     assert not engine.config.enable_prefix_caching

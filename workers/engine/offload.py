@@ -68,7 +68,12 @@ class CpuPool:
         self.num_blocks = (budget - num_states * per_slot) // self.bytes_per_block
         if max_blocks is not None:
             self.num_blocks = min(self.num_blocks, max_blocks)
-        if gib > 0 and self.num_blocks <= 0:
+        if gib > 0 and states and not num_states:  # no sequence could be offloaded: no block is kept either
+            self.num_blocks = 0
+            warnings.warn(f"cpu_offload_gib={gib} holds no per-sequence state slot ({per_slot} bytes each, in at "
+                          f"most {STATE_SHARE:.0%} of the pool): preempted requests are recomputed; offloading one "
+                          f"needs at least {per_slot / STATE_SHARE / 2**30:.4g} GiB", stacklevel=3)
+        elif gib > 0 and self.num_blocks <= 0:
             warnings.warn(f"cpu_offload_gib={gib} holds no KV block ({self.bytes_per_block} bytes each): "
                           "preempted requests are recomputed", stacklevel=3)
         self.blocks = [pinned_empty((self.num_blocks, *t.shape[:2], *t.shape[3:]), kv_cache.dtype, kv_cache.device)
