@@ -94,7 +94,7 @@ class WorkerPool:
                                    f"{self.config.placement_timeout_s} s (strategy "
                                    f"{self.config.placement_strategy}); {self._placement_have()}")
             log.warning("waiting for the placement of %s (up to placement_timeout_s=%s s); %s",
-                           self._placement_need(), self.config.placement_timeout_s, self._placement_have())
+                        self._placement_need(), self.config.placement_timeout_s, self._placement_have())
 
     def _placement_need(self) -> str:
         return f"{self.size} worker{'s' * (self.size != 1)} of {self.placement.bundle_specs[0]}"
