@@ -93,33 +93,34 @@ def join_cluster(address: str, namespace: str) -> None:
         _loopback_only()
     if host and str(port).isdigit():
         _check_listening(address, host, int(port))
-        _refuse_http(address, host, int(port))
     ray.init(address=address, namespace=namespace)
 
 
 def _check_listening(address: str, host: str, port: int) -> None:
     """ConnectionError naming `address` when nothing accepts a connection at `host:port` within `HEAD_WAIT_S`
-    (a head node still starting gets that long): Ray would retry for many minutes, printing only warnings."""
+    (a head node still starting gets that long), ValueError when what accepts it answers HTTP (`_refuse_http`):
+    Ray would retry for many minutes, or for ever, printing only warnings."""
     deadline = time.monotonic() + HEAD_WAIT_S
     while True:
         try:
-            socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
-            return
+            conn = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1))
         except OSError as err:
             if time.monotonic() >= deadline:
                 raise ConnectionError(f"no Ray cluster at {address!r}: nothing accepts connections at "
                                       f"{host}:{port} ({err.strerror or err}); is the head node running?") from None
             time.sleep(0.5)
+            continue
+        with conn:
+            return _refuse_http(address, conn)
 
 
-def _refuse_http(address: str, host: str, port: int) -> None:
-    """ValueError when `host:port` answers HTTP/1: the dashboard's address (what `ray job submit` takes), where
-    Ray would retry for ever. The GCS speaks gRPC (HTTP/2), which never answers so."""
+def _refuse_http(address: str, conn: socket.socket) -> None:
+    """ValueError when the listener on `conn` answers HTTP/1: the dashboard's address (what `ray job submit`
+    takes), where Ray would retry for ever. The GCS speaks gRPC (HTTP/2), which never answers so."""
     try:
-        with socket.create_connection((host, port), timeout=HEAD_WAIT_S) as conn:
-            conn.settimeout(2.0)
-            conn.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
-            reply = conn.recv(8)
+        conn.settimeout(2.0)
+        conn.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+        reply = conn.recv(8)
     except OSError:
         return
     if reply.startswith(b"HTTP/1."):
