@@ -56,4 +56,6 @@ BAD_PROMPTS = {
         lambda n: ([7] * n, f"prompt {{i}} has {n} tokens")),
     "prompt of a wrong type": st.sampled_from([None, 5, 2.0, {"ids": [1]}, b"ab", (t for t in [5])]).map(
         lambda p: (p, f"prompt {{i}} must be a string or a list of token ids, got {type(p).__name__}")),
+    "text the tokenizer cannot encode": st.sampled_from(["bad \udc80 text", "\ud800"]).map(
+        lambda p: (p, "prompt {i} cannot be encoded by the tokenizer")),
 }

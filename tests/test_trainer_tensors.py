@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
+import pytest
 import torch
 
 from rollout import SamplingParams
@@ -45,3 +49,11 @@ def test_a_record_batch_and_an_empty_table(model_dir):
     assert to_torch(rows, None)["input_ids"].tolist() == to_torch(rows, 0)["input_ids"].tolist()  # no pad token
     empty = to_torch(rows.schema.empty_table(), PAD)
     assert empty["input_ids"].shape == (0, 0) and empty["prompt_index"].shape == (0,)
+
+
+@pytest.mark.parametrize("pad", ["0", 1.5, True, 2**70])
+def test_a_pad_that_is_no_token_id_is_refused_naming_it(model_dir, pad):
+    rows = make_engine(model_dir("qwen3")).generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=3))
+    with pytest.raises(ValueError, match=re.escape(f"pad_token_id={pad!r}")):
+        to_torch(rows, pad)
+    assert to_torch(rows, np.int32(PAD))["input_ids"].tolist() == to_torch(rows, PAD)["input_ids"].tolist()

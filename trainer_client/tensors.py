@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -13,6 +15,7 @@ def to_torch(data: pa.RecordBatch | pa.Table, pad_token_id: int | None) -> dict[
     `response_mask` (1 on completion tokens), `logprobs` (the logprob of `input_ids[b, t]` at each
     completion position t, 0 elsewhere), and `prompt_index`, `sample_index` ([B]). Any `pad_token_id` will
     do, as the masks cover the padding: None (a tokenizer without a pad token, as GPT-2's) pads with 0."""
+    _check_pad(pad_token_id)
     table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
     prompts = table.column("prompt_token_ids").combine_chunks()
     completions = table.column("token_ids").combine_chunks()
@@ -35,6 +38,15 @@ def to_torch(data: pa.RecordBatch | pa.Table, pad_token_id: int | None) -> dict[
         "prompt_index": torch.from_numpy(table.column("prompt_index").to_numpy().astype(np.int64)),
         "sample_index": torch.from_numpy(table.column("sample_index").to_numpy().astype(np.int64)),
     }
+
+
+def _check_pad(pad_token_id: object) -> None:
+    """Refuse a pad that is not None or an int64 (a string or a float would pad with something else)."""
+    if pad_token_id is None:
+        return
+    if not isinstance(pad_token_id, numbers.Integral) or isinstance(pad_token_id, bool) \
+            or not -2**63 <= pad_token_id < 2**63:
+        raise ValueError(f"pad_token_id={pad_token_id!r} must be None or an int64 token id")
 
 
 def _scatter(out: np.ndarray, lists: pa.ListArray, starts: np.ndarray) -> None:

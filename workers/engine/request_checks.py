@@ -24,9 +24,18 @@ def encode_prompts(prompts: object, tokenizer: transformers.PreTrainedTokenizerB
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is a string but model {model!r} has no tokenizer")
-            prompt = encode_prompt(tokenizer, prompt)
+            prompt = _encoded(i, tokenizer, prompt)
         out.append(check_prompt(i, prompt, vocab_size, max_model_len))
     return out
+
+
+def _encoded(index: int, tokenizer: transformers.PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text`'s token ids; a text the tokenizer refuses (a lone surrogate, as `errors="surrogateescape"` leaves)
+    is a ValueError naming the prompt, where the tokenizer's own error is a TypeError that names none."""
+    try:
+        return encode_prompt(tokenizer, text)
+    except (TypeError, ValueError, UnicodeError) as err:
+        raise ValueError(f"prompt {index} cannot be encoded by the tokenizer: {err}") from None
 
 
 def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int) -> list[int]:
