@@ -14,7 +14,7 @@ from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.params import WeightSource, check_prompt_list
 from rollout.service import launch, stop
-from rollout.service_lost import calls_refused, wait_for_calls
+from rollout.service_lost import calls_refused, reachable, reached, wait_for_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSync, push_weights
 
@@ -43,11 +43,12 @@ def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) ->
                 raise ValueError(f"engine.model={config.engine.model!r} is not a model directory (no config.json); "
                                  "pass rollout.init(model=DIR) (`--model DIR` on the command line), or run "
                                  "`rollout demo` once to build the tiny default")
-            start_local_ray(config)
             _owns_ray = True
         try:
+            if _owns_ray:
+                start_local_ray(config)
             _check_local_gpus(config)
-            _service = launch(config)
+            _service = reached(launch(config))
         except BaseException:
             shutdown()
             raise
@@ -113,7 +114,8 @@ def shutdown() -> None:
             _weight_sync.close()
         _weight_sync = None
         if _service is not None:
-            stop(_service)
+            if reachable(_service):  # not after a ray.shutdown() of the caller's: Ray would start a new cluster
+                stop(_service)
             _service, _shut_down = None, True
         wait_for_calls()
         if _owns_ray:

@@ -4,14 +4,17 @@ authentication with a token of its own."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
@@ -22,6 +25,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayTaskError
 
 from rollout.config import ServiceConfig
+from rollout.service_lost import connection
 
 
 def start_local_ray(config: ServiceConfig) -> None:
@@ -32,9 +36,63 @@ def start_local_ray(config: ServiceConfig) -> None:
     _loopback_only()
     _private_token()
     workers = config.num_workers or 1
-    ray.init(address="local", include_dashboard=False, namespace=config.namespace,
-             num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
-             object_store_memory=int(config.object_store_memory_gib * 2**30), _temp_dir=_private_temp_dir())
+    options = dict(address="local", include_dashboard=False, namespace=config.namespace,
+                   num_cpus=max(os.cpu_count() or 1, math.ceil(workers * config.cpus_per_worker)),
+                   object_store_memory=int(config.object_store_memory_gib * 2**30), _temp_dir=_private_temp_dir())
+
+    def start() -> None:
+        ray.init(**options)
+        _started.append(connection())
+
+    _in_lasting_thread(start)
+
+
+def _in_lasting_thread(start: Callable[[], object]) -> None:
+    """Run `start` here in the main thread, with Ctrl-C held until it returns; in any other thread, run it in a
+    thread that lasts until `stop_local_ray`: Ray's processes die with the thread that started them
+    (PR_SET_PDEATHSIG), and the caller's thread may end long before the service does."""
+    if threading.current_thread() is threading.main_thread():
+        with _interrupts_held():
+            start()
+        return
+    done, keep, errors = threading.Event(), threading.Event(), []
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(err)
+        done.set()
+        keep.wait()
+
+    _keepers.append(keep)
+    threading.Thread(target=run, name="rollout-local-ray", daemon=True).start()
+    done.wait()
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold a Ctrl-C until the block ends, then raise it: a `ray.init` interrupted part way leaves processes
+    that `ray.shutdown` does not know. A second Ctrl-C interrupts at once."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _private_temp_dir() -> str:
@@ -48,8 +106,13 @@ def _private_temp_dir() -> str:
 
 def stop_local_ray() -> None:
     """Stop the Ray that `start_local_ray` started and restore the caller's authentication and cluster
-    settings (a later driver of this process may join a cluster elsewhere)."""
-    ray.shutdown()
+    settings (a later driver of this process may join a cluster elsewhere). A Ray joined since, after a
+    `ray.shutdown()` of the caller's, is left running."""
+    if ray.is_initialized() and connection() in _started:
+        ray.shutdown()
+    _started.clear()
+    while _keepers:
+        _keepers.pop().set()
     while _private_dirs:
         shutil.rmtree(_private_dirs.pop(), ignore_errors=True)
     for name, value in _saved_env.items():
@@ -156,6 +219,8 @@ def _loopback_only() -> None:
 
 HEAD_WAIT_S = 10.0  # how long join_cluster waits for a connection to the head node's GCS port
 _private_dirs: list[str] = []  # Ray's session directories of start_local_ray, removed by stop_local_ray
+_started: list[tuple[str, str]] = []  # the Ray connection of start_local_ray, which stop_local_ray shuts down
+_keepers: list[threading.Event] = []  # set by stop_local_ray: the threads that started Ray may end
 # the caller's values of what this module changes, restored by stop_local_ray
 _SAVED_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 _saved_env: dict[str, str | None] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Iterator
 
 import ray
@@ -30,20 +31,41 @@ class _Calls:
 
 _CALLS = _Calls()
 _SHUT_DOWN = "rollout.shutdown() stopped the rollout service while this call waited on it"
+_LEFT_RAY = ("this process is no longer connected to the Ray it reached the rollout service through "
+             "(rollout.shutdown() or ray.shutdown() ran), so the service is out of reach: start or join it "
+             "again with rollout.init() or RolloutClient.connect()")
+_REACHED: dict[int, tuple[str, str]] = {}  # id of a service handle -> the Ray connection it was reached through
+
+
+def connection() -> tuple[str, str]:
+    """This process's present Ray connection: a new cluster has a new node, joining one again a new job."""
+    context = ray.get_runtime_context()
+    return context.get_node_id(), context.get_job_id()
+
+
+def reached(service: ActorHandle) -> ActorHandle:
+    """Mark the handle `service` as reached through the present Ray connection, so that `service_calls` refuses
+    it once the process has left that Ray: a handle or stream of a Ray left behind can abort the process."""
+    _REACHED[id(service)] = connection()
+    weakref.finalize(service, _REACHED.pop, id(service), None)
+    return service
+
+
+def reachable(service: ActorHandle) -> bool:
+    """Whether this process is in a Ray, and in the one `service` was reached through (when `reached` marked it)."""
+    return ray.is_initialized() and _REACHED.get(id(service), connection()) == connection()
 
 
 @contextlib.contextmanager
 def service_calls(service: ActorHandle) -> Iterator[None]:
     """Raise `ServiceUnavailable` for the death of `service` itself (a worker's death stays what it was), for
-    any error while `rollout.shutdown` stops it, and before any call once this process has left Ray, where Ray
-    would otherwise start a new local cluster."""
+    any error while `rollout.shutdown` stops it, and before any call once this process has left the Ray it reached
+    `service` through (where Ray would start a new local cluster, or abort the process on a stale stream)."""
     with _CALLS.cond:
         if _CALLS.closing:
             raise ServiceUnavailable(_SHUT_DOWN)
-        if not ray.is_initialized():
-            raise ServiceUnavailable("this process is no longer connected to Ray (rollout.shutdown() or "
-                                     "ray.shutdown() ran), so the rollout service is out of reach: start or join "
-                                     "it again with rollout.init() or RolloutClient.connect()")
+        if not reachable(service):
+            raise ServiceUnavailable(_LEFT_RAY)
         _CALLS.inside += 1
     try:
         yield

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from rollout.local_ray import get_result
 from rollout.params import SamplingParams, check_prompt_list
 from rollout.schema import SAMPLE_SCHEMA, sort_samples
-from rollout.service_lost import ServiceUnavailable, service_calls
+from rollout.service_lost import ServiceUnavailable, reachable, service_calls
 from workers.messages import Caller
 
 
@@ -111,5 +111,5 @@ class RolloutStream:
         self.cancel()
 
     def __del__(self) -> None:
-        if getattr(self, "_open", False) and ray.is_initialized():
+        if getattr(self, "_open", False) and reachable(self._service):
             self.cancel()

@@ -10,7 +10,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from rollout.local_ray import get_result, join_cluster, named_actor
-from rollout.service_lost import service_calls
+from rollout.service_lost import reached, service_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
@@ -20,7 +20,7 @@ class RolloutClient:
     `rollout.sample` and `rollout.update_weights`."""
 
     def __init__(self, service: ActorHandle) -> None:
-        self.service = service
+        self.service = reached(service)
         self.weight_sync: WeightSync | None = None
 
     @classmethod
