@@ -24,8 +24,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fresh seed per request; a fixed seed makes each sample independent of what shares its batch (a prompt
     given twice in one call still gets different samples: see `prompt_repeats`).
     `logprobs_mode="processed"` reports each token's logprob under the distribution it was drawn from (after
-    temperature, top-k, top-p, min-p, in that order, as in transformers), "raw" under the model's own; a greedy
-    sample reports the model's own in both modes (as vLLM does; top_k=1 at a temperature is processed: 0).
+    temperature, top-k, top-p, min-p, in that order, as in transformers, save that tokens tied at the top-p cut
+    keep the lower ids where transformers keeps the higher), "raw" under the model's own; a greedy sample reports
+    the model's own in both modes (as vLLM does; top_k=1 at a temperature is processed: 0).
     A sample also ends with finish reason "length" where prompt and completion reach the engine's `max_model_len`,
     before `max_new_tokens` if that comes first (as in vLLM).
     `return_token_versions` fills the row's `token_policy_versions` (the weights version of each token).

@@ -146,6 +146,15 @@ def test_top_k_1_is_exactly_greedy_on_tied_logits():
     assert tokens.tolist() == [2] * 64 and logprobs.tolist() == [0.0] * 64
 
 
+def test_top_p_keeps_the_lower_ids_of_tokens_tied_at_its_cut():
+    """Three tied tokens, top_p=0.5: the first two by id pass (transformers would keep the last two), in any
+    batch, as SamplingParams documents."""
+    logits = torch.full((2, 8), -10.0)
+    logits[:, [1, 4, 6]] = 2.0
+    kept = sampler.filtered_logits(logits, _batch([_seq(SamplingParams(top_p=0.5, seed=s)) for s in range(2)]))
+    assert (kept > float("-inf")).nonzero()[:, 1].tolist() == [1, 4, 1, 4]
+
+
 @pytest.mark.parametrize("mate", [dict(top_k=12), dict(top_k=1), dict(top_p=0.5), dict(min_p=0.1),
                                   dict(temperature=0.5), dict(temperature=0.0), dict(logprobs_mode="raw")], ids=str)
 def test_rows_that_filter_nothing_are_sampled_alike_whatever_their_batch_mates_ask(mate):
