@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -103,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("iterations", "num_workers", "max_new_tokens", "trainer_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not (args.lr > 0 and 0 < args.clip < 1):
-        p.error("--lr must be > 0 and --clip in (0, 1)")
+    if not (0 < args.lr < math.inf and 0 < args.clip < 1):
+        p.error("--lr must be a finite number > 0 and --clip in (0, 1)")
     if not (args.seed >= 0 and args.seed * SEED_STRIDE + args.iterations - 1 < 2**64):
         p.error(f"--seed {args.seed} must be in [0, {(2**64 - args.iterations) // SEED_STRIDE}] (it seeds the "
                 "sampling noise, an integer in [0, 2**64))")
@@ -118,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in (args.report, args.plot):
         if path is not None and not path.resolve().parent.is_dir():
             p.error(f"{path}: its directory does not exist")
+        if path is not None and path.is_dir():
+            p.error(f"{path} is a directory; give a file name")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        p.error(f"--plot {args.plot} must name a .png file")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
