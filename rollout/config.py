@@ -91,7 +91,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("windowed_kv", self.windowed_kv, WINDOWED_KV)
-        _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs", "max_model_len")
+        _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs")
+        _bound(self, ">=", 2, "max_model_len")  # a prompt token and a generated one
         _bound(self, ">=", 0, "cpu_offload_gib")
         _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")
         if self.gpu_memory_utilization > 1:

@@ -53,7 +53,10 @@ def reached(service: ActorHandle) -> ActorHandle:
 
 def reachable(service: ActorHandle) -> bool:
     """Whether this process is in a Ray, and in the one `service` was reached through (when `reached` marked it)."""
-    return ray.is_initialized() and _REACHED.get(id(service), connection()) == connection()
+    if not ray.is_initialized():
+        return False
+    through = _REACHED.get(id(service))
+    return through is None or through == connection()
 
 
 @contextlib.contextmanager

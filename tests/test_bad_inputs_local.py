@@ -29,8 +29,9 @@ words = st.from_regex(r"[a-z_]{1,10}", fullmatch=True)
 not_int = st.floats(**finite) | st.text(max_size=3) | st.booleans()
 # kind -> (EngineConfig field, strategy of bad values)
 BAD_ENGINE_CONFIG = {
-    "size below 1": (st.sampled_from(["block_size", "num_blocks", "max_batch_tokens", "max_num_seqs",
-                                      "max_model_len"]), st.integers(max_value=0)),
+    "size below 1": (st.sampled_from(["block_size", "num_blocks", "max_batch_tokens", "max_num_seqs"]),
+                     st.integers(max_value=0)),
+    "length below a prompt and a token": (st.just("max_model_len"), st.integers(max_value=1)),
     "size not an int": (st.sampled_from(["block_size", "max_batch_tokens", "max_num_seqs"]), not_int),
     "memory share outside (0, 1]": (st.just("gpu_memory_utilization"), st.floats(min_value=1, exclude_min=True,
                                                                                  **finite) | st.floats(max_value=0)),
