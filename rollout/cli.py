@@ -123,19 +123,15 @@ def _sample(args: argparse.Namespace) -> int:
     command on an embedded local Ray (by default 2 CPU workers) and stopped after, write them to --out as
     Parquet and print a summary. A service running on a cluster is sampled from Python, with
     trainer_client.RolloutClient.connect."""
-    import rollout
     from rollout.stream import sampling_params
 
     prompts, lines = read_prompts(args.prompts)
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
-    rollout.init(args.config, **_overrides(args))
     try:
-        _run(prompts, args)
+        _run(prompts, args, args.config, **_overrides(args))
     except ValueError as err:  # the engines' errors name a prompt by its place in the call
         raise at_line(err, args.prompts, lines) from None
-    finally:
-        rollout.shutdown()
     return 0
 
 
@@ -144,18 +140,13 @@ def _demo(args: argparse.Namespace) -> int:
     tokenizer, start the embedded service with 2 CPU workers, sample --n completions of a few built-in
     prompts, write them to --out and print a summary. The completions are gibberish: the weights are
     random; the demo shows the machinery, not a model."""
-    import rollout
     from rollout.demo import DEMO_PROMPTS, demo_model
     from rollout.stream import sampling_params
 
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before the model is built or Ray starts
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
-    rollout.init(LOCAL_CONFIG, model=demo_model(), num_workers=2)
-    try:
-        table = _run(DEMO_PROMPTS, args)
-    finally:
-        rollout.shutdown()
+    table = _run(DEMO_PROMPTS, args, LOCAL_CONFIG, model=demo_model(), num_workers=2)
     for row in table.slice(0, 2).to_pylist():
         print(f"  prompt {DEMO_PROMPTS[row['prompt_index']]!r} -> {row['text'][:60]!r}")
     return 0
@@ -230,18 +221,23 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(prompts: list, args: argparse.Namespace) -> pa.Table:
-    """Sample from the initialised service with a progress bar, write the Parquet file, print the summary."""
+def _run(prompts: list, args: argparse.Namespace, config: str | Path, **overrides: Any) -> pa.Table:
+    """Start the embedded service of `config`, sample with a progress bar, stop the service, write the Parquet
+    file, print the summary. SIGTERM is Ctrl-C meanwhile, from Ray's start to its stop."""
     import rollout
 
-    start = time.perf_counter()
     try:
         with _sigterm_as_interrupt():
-            table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+            rollout.init(config, **overrides)
+            try:
+                start = time.perf_counter()
+                table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+                seconds = time.perf_counter() - start
+            finally:
+                rollout.shutdown()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"{str(args.out)!r} was not written (it is written once every sample has "
                                 "arrived)") from None
-    seconds = time.perf_counter() - start
     write_out(table, args.out)
     print(summary(table, seconds))
     print(f"wrote {args.out}")

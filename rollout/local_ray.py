@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import os
 import secrets
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -48,13 +50,9 @@ def start_local_ray(config: ServiceConfig) -> None:
 
 
 def _in_lasting_thread(start: Callable[[], object]) -> None:
-    """Run `start` here in the main thread, with Ctrl-C held until it returns; in any other thread, run it in a
-    thread that lasts until `stop_local_ray`: Ray's processes die with the thread that started them
-    (PR_SET_PDEATHSIG), and the caller's thread may end long before the service does."""
-    if threading.current_thread() is threading.main_thread():
-        with _interrupts_held():
-            start()
-        return
+    """Run `start` in a thread that lasts until `stop_local_ray`, with this thread's signals held meanwhile
+    (`_signals_held`): Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), and the
+    caller's thread may end long before the service does."""
     done, keep, errors = threading.Event(), threading.Event(), []
 
     def run() -> None:
@@ -66,33 +64,45 @@ def _in_lasting_thread(start: Callable[[], object]) -> None:
         keep.wait()
 
     _keepers.append(keep)
-    threading.Thread(target=run, name="rollout-local-ray", daemon=True).start()
-    done.wait()
+    quiet = logging.getLogger("ray._private.worker")
+    quiet.addFilter(_not_the_sigterm_warning)  # Ray's SIGTERM handler is set below, in the main thread
+    try:
+        with _signals_held():
+            threading.Thread(target=run, name="rollout-local-ray", daemon=True).start()
+            done.wait()
+    finally:
+        quiet.removeFilter(_not_the_sigterm_warning)
     if errors:
         raise errors[0]
 
 
+def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold a Ctrl-C until the block ends, then raise it: a `ray.init` interrupted part way leaves processes
-    that `ray.shutdown` does not know. A second Ctrl-C interrupts at once."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+def _signals_held() -> Iterator[None]:
+    """In the main thread, hold Ctrl-C, and SIGTERM where a Python handler takes it (the CLI's), until the block
+    ends, then give the first to its handler: a `ray.init` interrupted part way leaves processes that
+    `ray.shutdown` does not know. A default SIGTERM then exits through `sys.exit`, as Ray's own handler does,
+    so that the exit hook stops the embedded Ray."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: handler for sig, handler in handlers.items() if callable(handler)}
     held: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        if held:
-            raise KeyboardInterrupt
-        held.append(signum)
-
-    signal.signal(signal.SIGINT, hold)
+    for sig in handlers:
+        signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
     if held:
-        raise KeyboardInterrupt
+        handlers[held[0]](held[0], None)
 
 
 def _private_temp_dir() -> str:

@@ -189,6 +189,18 @@ def test_sigterm_is_handled_as_ctrl_c_and_its_handler_restored(tmp_path, monkeyp
     assert signal.getsignal(signal.SIGTERM) == (signal.SIG_DFL if before is None else before)
 
 
+@pytest.mark.parametrize("command", ["sample", "demo"])
+def test_sigterm_while_the_service_starts_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys, command):
+    """`kill PID` while Ray starts or the engines load ended the process with status 15 and no word."""
+    (tmp_path / "good.jsonl").write_text('"ok"\n')
+    monkeypatch.setattr("rollout.init", lambda *a, **k: TerminatedStream().to_table())
+    monkeypatch.setattr("rollout.demo.demo_model", lambda: str(tmp_path))
+    prompts = ["--prompts", str(tmp_path / "good.jsonl")] if command == "sample" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *prompts, "--out", str(tmp_path / "x.parquet")])
+    assert exit_info.value.code == 130 and "was not written" in capsys.readouterr().err
+
+
 def test_sigterm_while_serve_loads_its_engines_is_handled_as_ctrl_c(model_dir, monkeypatch, capsys):
     """`ray job stop` while the engines load (or the placement waits): Ray's own handler dumped a stack."""
     def terminated_launch(config, detached):
