@@ -101,10 +101,10 @@ def _sampling_options() -> argparse.ArgumentParser:
         shown = "" if default is None else f" (default: {default})"
         group.add_argument(f"--{field.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
                            help=help_text + shown)
-    group.add_argument("--stop-token-ids", type=int, nargs="+", default=argparse.SUPPRESS, metavar="ID",
-                       help="token ids that end a sample, besides the model's EOS")
-    group.add_argument("--stop", nargs="+", default=argparse.SUPPRESS, metavar="TEXT",
-                       help="strings that end a sample; the token completing one stays in it")
+    group.add_argument("--stop-token-ids", type=int, nargs="+", action="extend", default=argparse.SUPPRESS,
+                       metavar="ID", help="token ids that end a sample, besides the model's EOS (repeatable)")
+    group.add_argument("--stop", nargs="+", action="extend", default=argparse.SUPPRESS, metavar="TEXT",
+                       help="strings that end a sample; the token completing one stays in it (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
                        help="keep generating after the model's EOS token")
     return options

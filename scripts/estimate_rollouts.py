@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -130,11 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-us", type=float, default=20.0, help="us per prefill token, Qwen3-1.7B (20)")
     args = parser.parse_args(argv)
     for name in ("scale", "card_gib", "memory_utilization", "bandwidth_gbs", "prefill_us"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
+        if not 0 < getattr(args, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be a finite number > 0")
     for name in ("peak_gib", "offload_gib"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+        if not 0 <= getattr(args, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be a finite number >= 0")
     if args.memory_utilization > 1:
         parser.error(f"--memory-utilization={args.memory_utilization} must be at most 1")
     if args.scale > 256 or 256 % args.scale:
@@ -151,14 +152,15 @@ def main() -> None:
     """Cost every model x workload on the tiny stand-in model and print a row each."""
     args = parse_args()
     torch.set_num_threads(1)
-    tiny = build_tiny(tempfile.mkdtemp())
     print(f"{'model':<14}{'workload':<16}{'cache tok':>10}{'pool tok':>10}{'seconds':>9}{'tok/s':>8}"
           f"{'offloads':>10}{'recomputes':>12}")
-    for model in args.models:
-        for workload in args.workloads:
-            r = estimate(tiny, model, workload, args)
-            print(f"{model:<14}{workload:<16}{r['cache_tokens']:>10}{r['pool_tokens']:>10}{r['seconds']:>9.0f}"
-                  f"{r['tokens_per_s']:>8.0f}{r['offloads']:>10}{r['recomputes']:>12}")
+    with tempfile.TemporaryDirectory() as scratch:
+        tiny = build_tiny(scratch)
+        for model in args.models:
+            for workload in args.workloads:
+                r = estimate(tiny, model, workload, args)
+                print(f"{model:<14}{workload:<16}{r['cache_tokens']:>10}{r['pool_tokens']:>10}{r['seconds']:>9.0f}"
+                      f"{r['tokens_per_s']:>8.0f}{r['offloads']:>10}{r['recomputes']:>12}")
 
 
 if __name__ == "__main__":

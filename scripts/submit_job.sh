@@ -9,10 +9,14 @@
 #   JOB_ID         the submission id (default rollout-service)
 #   RAY_AUTH_MODE  token (default; the token comes from ~/.ray/auth_token or RAY_AUTH_TOKEN), or disabled
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,10p' "$0" | cut -c3-
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 config="${1:-configs/cluster.toml}"
 shift $(( $# > 0 ? 1 : 0 ))
-if [[ "$(realpath -m "$config")" != "$(pwd)"/* ]]; then  # the job gets a copy of the repository, nothing else
+if [[ "$(realpath -m -- "$config")" != "$(pwd)"/* ]]; then  # the job gets a copy of the repository, nothing else
     echo "submit_job.sh: config file '$config' is outside the repository $(pwd), which is all the job gets a copy of" >&2
     exit 2
 fi

@@ -37,6 +37,8 @@ def recorded(monkeypatch) -> dict:
      {"flush_rows": 2, "dtype": "bfloat16", "model": "/m", "num_workers": 1},
      {"n": 3, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "max_new_tokens": 5, "seed": 0,
       "logprobs_mode": "raw", "stop_token_ids": [3, 4], "stop": ["</a>", "END"], "ignore_eos": True}),
+    (["--stop", "</a>", "--stop-token-ids", "3", "--stop", "END", "--stop-token-ids", "4", "5"], {},  # repeated
+     {"n": 8, "stop_token_ids": [3, 4, 5], "stop": ["</a>", "END"]}),
 ])
 def test_sample_passes_every_prompt_and_flag_and_writes_every_row(tmp_path, recorded, capsys, argv, init, sampling):
     """Each prompt of the file once, in order (blank lines skipped; lines end at "\\n" only, as U+2028 or U+0085

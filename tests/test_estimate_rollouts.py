@@ -47,8 +47,12 @@ def test_a_cache_too_small_offloads_recomputes_and_slows_the_rate(tiny):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--scale", "3"], "--scale=3 must divide"), (["--bandwidth-gbs", "0"], "--bandwidth-gbs=0.0 must be > 0"),
-    (["--offload-gib", "-1"], "--offload-gib=-1.0 must be >= 0"),
+    (["--scale", "3"], "--scale=3 must divide"),
+    (["--bandwidth-gbs", "0"], "--bandwidth-gbs=0.0 must be a finite number > 0"),
+    (["--card-gib", "nan"], "--card-gib=nan must be a finite number > 0"),
+    (["--prefill-us", "inf"], "--prefill-us=inf must be a finite number > 0"),
+    (["--offload-gib", "-1"], "--offload-gib=-1.0 must be a finite number >= 0"),
+    (["--peak-gib", "nan"], "--peak-gib=nan must be a finite number >= 0"),
     (["--memory-utilization", "1.5"], "--memory-utilization=1.5 must be at most 1"),
     (["--workloads", "decode"], "invalid choice: 'decode'"),
     (["--card-gib", "4"], "--card-gib=4.0 x --memory-utilization=0.9 - --peak-gib=3.0 leaves no KV cache")])
