@@ -65,7 +65,7 @@ def _in_lasting_thread(start: Callable[[], object]) -> None:
 
     _keepers.append(keep)
     quiet = logging.getLogger("ray._private.worker")
-    quiet.addFilter(_not_the_sigterm_warning)  # Ray's SIGTERM handler is set below, in the main thread
+    quiet.addFilter(_not_the_sigterm_warning)  # off the main thread Ray sets none; `_signals_held` sets its like
     try:
         with _signals_held():
             threading.Thread(target=run, name="rollout-local-ray", daemon=True).start()
