@@ -31,6 +31,7 @@ from workers.weight_format import (
 from workers.weight_group import (
     broadcast,
     check_group_options,
+    check_port_free,
     close_group,
     group_device,
     host_store,
@@ -95,11 +96,13 @@ class WeightSync:
         options are accepted (a refused one leaves it working), before this one takes its port."""
         check_bucket_bytes(bucket_bytes)
         check_group_options(host, port, timeout_s)
+        host = host or ray.util.get_node_ip_address()
+        if port and (replaces is None or (replaces.spec.host, replaces.spec.port) != (host, port)):
+            check_port_free(host, port)  # the port of the group replaced is free once that group is closed
         with service_calls(service):
             world_size, backend = get_result(service.weight_group_spec.remote(backend))
             if replaces is not None:
                 replaces.close()
-            host = host or ray.util.get_node_ip_address()
             store = host_store(host, port, timeout_s)
             spec = WeightGroup(host, store.port, world_size, backend, timeout_s)
             joined = service.join_weight_group.remote(spec)

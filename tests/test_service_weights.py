@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import re
+import socket
 import time
 
 import pytest
@@ -263,6 +264,10 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
     for option, value in [("port", -1), ("port", "x"), ("timeout_s", 0), ("host", "1.2.3.4")]:
         with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
             rollout.init_weight_sync(**{option: value})
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # another listener's port: refused before closing `second`
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port={port} cannot be listened on at 127.0.0.1"):
+            rollout.init_weight_sync(host="127.0.0.1", port=port)
     assert second.group is not None and [g for g in aborted if g is not None] == [group]
     version = next(_versions)
     second.update_weights(states[policies[1]], version)
@@ -272,6 +277,12 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
     group = third.group
     client.init_weight_sync()
     assert aborted[-1] is group and third.group is None
+
+
+def test_a_group_may_be_formed_again_on_its_own_port(client):
+    """The port check of `init_weight_sync` spares the port of the group it replaces, free once that is closed."""
+    first = rollout.init_weight_sync()
+    assert rollout.init_weight_sync(port=first.spec.port).spec.port == first.spec.port
 
 
 def test_a_broadcast_over_a_replaced_group_is_refused_at_once(client, policies, states):

@@ -33,6 +33,14 @@ def check_group_options(host: str | None, port: int, timeout_s: float) -> None:
         raise ValueError(f"host={host!r} is not an address this machine can listen on: {err}") from None
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming `port` when this machine cannot listen on `host:port` now (another listener holds it)."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as err:
+        raise ValueError(f"port={port} cannot be listened on at {host}: {err.strerror or err}") from None
+
+
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """The group's TCP store, served by this process on `host:port` (0 picks a free port; `.port` tells it)."""
     listener = socket.create_server((host, port))
