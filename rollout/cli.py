@@ -26,7 +26,7 @@ _SAMPLING_FLAGS = {  # SamplingParams field -> (type, help); --help shows Sampli
     "top_k": (int, "keep the k most likely tokens; 0 = off"),
     "min_p": (float, "drop tokens less likely than min_p times the most likely one"),
     "max_new_tokens": (int, "most tokens generated per sample"),
-    "seed": (int, "makes every sample reproducible (default: a fresh seed per call)"),
+    "seed": (int, "makes every sample reproducible (default: a fresh seed per prompt)"),
     "logprobs_mode": (str, "'processed' (after temperature and filters; greedy: the model's) or 'raw' (the model's)"),
 }
 
