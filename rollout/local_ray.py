@@ -4,19 +4,16 @@ authentication with a token of its own."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import math
 import os
 import secrets
 import shutil
-import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
@@ -27,6 +24,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayTaskError
 
 from rollout.config import ServiceConfig
+from rollout.held_signals import default_sigterm_again, exit_on_sigterm, signals_held
 from rollout.service_lost import connection
 
 
@@ -51,7 +49,7 @@ def start_local_ray(config: ServiceConfig) -> None:
 
 def _in_lasting_thread(start: Callable[[], object]) -> None:
     """Run `start` in a thread that lasts until `stop_local_ray`, with this thread's signals held meanwhile
-    (`_signals_held`): Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), and the
+    (`signals_held`): Ray's processes die with the thread that started them (PR_SET_PDEATHSIG), and the
     caller's thread may end long before the service does."""
     done, keep, errors = threading.Event(), threading.Event(), []
 
@@ -65,9 +63,10 @@ def _in_lasting_thread(start: Callable[[], object]) -> None:
 
     _keepers.append(keep)
     quiet = logging.getLogger("ray._private.worker")
-    quiet.addFilter(_not_the_sigterm_warning)  # off the main thread Ray sets none; `_signals_held` sets its like
+    quiet.addFilter(_not_the_sigterm_warning)  # off the main thread Ray sets none; `exit_on_sigterm` sets its like
+    exit_on_sigterm()
     try:
-        with _signals_held():
+        with signals_held():
             threading.Thread(target=run, name="rollout-local-ray", daemon=True).start()
             done.wait()
     finally:
@@ -78,31 +77,6 @@ def _in_lasting_thread(start: Callable[[], object]) -> None:
 
 def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("SIGTERM handler is not set")
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """In the main thread, hold Ctrl-C, and SIGTERM where a Python handler takes it (the CLI's), until the block
-    ends, then give the first to its handler: a `ray.init` interrupted part way leaves processes that
-    `ray.shutdown` does not know. A default SIGTERM then exits through `sys.exit`, as Ray's own handler does,
-    so that the exit hook stops the embedded Ray."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    handlers = {sig: handler for sig, handler in handlers.items() if callable(handler)}
-    held: list[int] = []
-    for sig in handlers:
-        signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
-    if held:
-        handlers[held[0]](held[0], None)
 
 
 def _private_temp_dir() -> str:
@@ -117,14 +91,21 @@ def _private_temp_dir() -> str:
 def stop_local_ray() -> None:
     """Stop the Ray that `start_local_ray` started and restore the caller's authentication and cluster
     settings (a later driver of this process may join a cluster elsewhere). A Ray joined since, after a
-    `ray.shutdown()` of the caller's, is left running."""
-    if ray.is_initialized() and connection() in _started:
-        ray.shutdown()
-    _started.clear()
-    while _keepers:
-        _keepers.pop().set()
-    while _private_dirs:
-        shutil.rmtree(_private_dirs.pop(), ignore_errors=True)
+    `ray.shutdown()` of the caller's, is left running, with the settings it started under (its token)."""
+    with signals_held():
+        if ray.is_initialized() and connection() in _started:
+            ray.shutdown()
+        _started.clear()
+        while _keepers:
+            _keepers.pop().set()
+        while _private_dirs:
+            shutil.rmtree(_private_dirs.pop(), ignore_errors=True)
+        if not ray.is_initialized():
+            _restore_callers_settings()
+    default_sigterm_again()
+
+
+def _restore_callers_settings() -> None:
     for name, value in _saved_env.items():
         if value is None:
             os.environ.pop(name, None)

@@ -59,14 +59,30 @@ rollout.shutdown()
 """
 
 RAY_SHUTDOWN_FIRST = """
+import tempfile
 rollout.init(**OPTIONS)
 ray.shutdown()
 print("sample refused", refused(lambda: rollout.sample([[5]], n=1)))
 rollout.shutdown()
 print("ray initialised", ray.is_initialized())
 rollout.init(**OPTIONS)
-print("rows", rollout.sample([[5, 6, 7]], n=2, max_new_tokens=3).to_table().num_rows)
+ray.shutdown()
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="rx-"))  # a Ray of the caller's
+rollout.shutdown()  # leaves that Ray, and the token it started with, alone
+print("own ray", ray.get(ray.remote(lambda: 7).remote()))
+ray.shutdown()
+"""
+
+SIGTERM_HANDLERS = """
+signal.signal(signal.SIGTERM, lambda signum, frame: print("handled", flush=True))
+rollout.init(**OPTIONS)
+rollout.shutdown()  # Ray's shutdown resets SIGTERM's handler below Python's
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(1)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+rollout.init(**OPTIONS)
 rollout.shutdown()
+print("default again", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
 """
 
 INTERRUPTED_START = """
@@ -114,7 +130,13 @@ def test_a_stream_and_a_client_of_an_earlier_service_are_refused(model):
 def test_shutdown_after_the_callers_ray_shutdown_starts_no_ray(model):
     """`rollout.shutdown()` after `ray.shutdown()` called the dead service, so Ray started a default cluster
     (in the world-writable /tmp/ray) and `init` was refused from then on."""
-    assert run(RAY_SHUTDOWN_FIRST, model) == ["sample refused True", "ray initialised False", "rows 2"]
+    assert run(RAY_SHUTDOWN_FIRST, model) == ["sample refused True", "ray initialised False", "own ray 7"]
+
+
+def test_shutdown_leaves_sigterm_handled_as_before_init(model):
+    """A Python SIGTERM handler of the caller's still runs after `shutdown` (Ray's resets it in C, where Python
+    does not see it), and a default one is default again (the embedded Ray's `sys.exit` handler is undone)."""
+    assert run(SIGTERM_HANDLERS, model) == ["handled", "default again True"]
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
