@@ -14,7 +14,7 @@ from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.local_ray import start_local_ray, stop_local_ray
 from rollout.params import WeightSource, check_prompt_list
 from rollout.service import launch, stop
-from rollout.service_lost import calls_refused, reachable, reached, wait_for_calls
+from rollout.service_lost import calls_refused, reached, wait_for_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSync, push_weights
 
@@ -114,8 +114,7 @@ def shutdown() -> None:
             _weight_sync.close()
         _weight_sync = None
         if _service is not None:
-            if reachable(_service):  # not after a ray.shutdown() of the caller's: Ray would start a new cluster
-                stop(_service)
+            stop(_service)
             _service, _shut_down = None, True
         wait_for_calls()
         if _owns_ray:

@@ -16,7 +16,7 @@ from rollout.local_ray import get_result, named_actor
 from rollout.params import SamplingParams
 from rollout.pool import WorkerPool, worker_count
 from rollout.sample_call import SampleCall
-from rollout.service_lost import ServiceUnavailable
+from rollout.service_lost import ServiceUnavailable, reachable
 from rollout.weight_keeper import start_keeper, stop_keeper
 from rollout.weight_updates import WeightUpdates
 from workers.messages import Caller, WeightGroup, WeightUpdate
@@ -127,7 +127,10 @@ def actor_exists(name: str, namespace: str) -> bool:
 
 
 def stop(service: ActorHandle) -> None:
-    """Stop a service: its workers and weight keeper, then the service actor itself (for good: no restart)."""
+    """Stop a service: its workers and weight keeper, then the service actor itself (for good: no restart).
+    Nothing once this process has left the Ray `service` was reached through: Ray would start a new cluster."""
+    if not reachable(service):
+        return
     try:
         ray.get(service.shutdown.remote(), timeout=30)
     except ray.exceptions.RayError:
