@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import tomllib
 
-from rollout.config import LOCAL_CONFIG, load_service_config
+from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
 from rollout.out_file import check_out, write_out
 from rollout.params import SamplingParams
 from rollout.prompt_file import at_line, read_prompts
@@ -128,6 +128,7 @@ def _sample(args: argparse.Namespace) -> int:
     prompts, lines = read_prompts(args.prompts)
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
+    _check_n(args.n, load_service_config(args.config, **_overrides(args)))
     try:
         _run(prompts, args, args.config, **_overrides(args))
     except ValueError as err:  # the engines' errors name a prompt by its place in the call
@@ -145,6 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     check_out(args.out)
     sampling_params(args.n, _sampling(args))  # bad flags fail before the model is built or Ray starts
+    _check_n(args.n, load_service_config(LOCAL_CONFIG))
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
     table = _run(DEMO_PROMPTS, args, LOCAL_CONFIG, model=demo_model(), num_workers=2)
     for row in table.slice(0, 2).to_pylist():
@@ -284,6 +286,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_workers is not None:
         out["num_workers"] = args.num_workers
     return out
+
+
+def _check_n(n: int, config: ServiceConfig) -> None:
+    """Refuse --n above the engines' `max_num_seqs` now: a prompt's samples run together on one engine, which
+    would refuse them only once Ray and the engines had started."""
+    if n > config.engine.max_num_seqs:
+        raise ValueError(f"--n {n} exceeds max_num_seqs={config.engine.max_num_seqs}: a prompt's samples run "
+                         "together on one engine (raise it with --set max_num_seqs=N)")
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

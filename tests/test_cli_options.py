@@ -72,12 +72,18 @@ def test_help(command, capsys):
         assert f"most tokens generated per sample (default: {defaults.max_new_tokens})" in shown
 
 
-@pytest.mark.parametrize("command", ["demo", "sample"])
-def test_flags_are_checked_before_building_or_starting_anything(command, tmp_path, recorded, monkeypatch, capsys):
-    """A bad sampling flag is refused before the demo builds its model and before the service starts."""
+@pytest.mark.parametrize("command, flags, named", [
+    *[(command, ["--n", "0"], "n=0") for command in ("demo", "sample")],
+    *[(command, ["--n", "257"], "--n 257 exceeds max_num_seqs=256") for command in ("demo", "sample")],
+    ("sample", ["--n", "5", "--set", "max_num_seqs=4"], "max_num_seqs=4"),
+])
+def test_flags_are_checked_before_building_or_starting_anything(command, flags, named, tmp_path, recorded,
+                                                                monkeypatch, capsys):
+    """A bad sampling flag, or more samples of a prompt than an engine runs at once, is refused before the demo
+    builds its model and before the service starts."""
     monkeypatch.setattr("rollout.demo.demo_model", lambda: pytest.fail("the demo built its model before its flags"))
     (tmp_path / "good.jsonl").write_text('"ok"\n')
     files = ["--prompts", str(tmp_path / "good.jsonl"), "--out", str(tmp_path / "x.parquet")]
     with pytest.raises(SystemExit) as exit_info:
-        main([command, "--n", "0", *(files if command == "sample" else [])])
-    assert exit_info.value.code == 2 and "n=0" in capsys.readouterr().err and "init" not in recorded
+        main([command, *flags, *(files if command == "sample" else [])])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err and "init" not in recorded
