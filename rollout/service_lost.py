@@ -78,9 +78,10 @@ def service_calls(service: ActorHandle) -> Iterator[None]:
         if not isinstance(err, RayActorError) or err.actor_id not in (None, service._actor_id.hex()):
             raise
         raise ServiceUnavailable(
-            "the rollout service actor was stopped (`rollout stop`), died or is restarting (a detached service "
-            "that died is restarted by Ray and replays its latest weights; calls in flight are lost: start them "
-            f"again once it is back, e.g. after RolloutClient.connect): {type(err).__name__}") from err
+            "the rollout service actor was stopped (`rollout stop`, or `rollout.shutdown()` in the process that "
+            "started it), died or is restarting (a detached service that died is restarted by Ray and replays its "
+            "latest weights; calls in flight are lost: start them again once it is back, e.g. after "
+            f"RolloutClient.connect): {type(err).__name__}") from err
     finally:
         with _CALLS.cond:
             _CALLS.inside -= 1

@@ -20,6 +20,7 @@ def test_only_the_service_actors_own_death_is_service_unavailable(monkeypatch):
         with service_calls(SERVICE):
             raise RayActorError(actor_id="bb" * 16)
     assert not isinstance(error.value, ServiceUnavailable) and error.value.actor_id == "bb" * 16
-    with pytest.raises(ServiceUnavailable, match=r"actor was stopped \(`rollout stop`\), died or is restarting"):
+    stopped = r"actor was stopped \(`rollout stop`, or `rollout.shutdown\(\)` in the process that started it\), died"
+    with pytest.raises(ServiceUnavailable, match=stopped):
         with service_calls(SERVICE):
             raise RayActorError(actor_id="aa" * 16)
