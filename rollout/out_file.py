@@ -9,10 +9,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+_OTHER_FORMATS = {".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".txt", ".arrow", ".feather", ".ipc", ".orc",
+                  ".pkl", ".pt", ".npy"}  # a name promising one of these would hold Parquet
+
 
 def check_out(path: Path) -> None:
     """Refuse an output path that could not be written, before any sampling: a directory, a missing directory,
-    or one where no file can be created (tried, so that a run never ends with its samples unwritable)."""
+    or one where no file can be created (tried, so that a run never ends with its samples unwritable); and a
+    name ending as another format's files do."""
+    if path.suffix.lower() in _OTHER_FORMATS:
+        raise ValueError(f"--out {str(path)!r}: the samples are written as Parquet, not {path.suffix[1:]}; "
+                         "name the file *.parquet")
     if path.is_dir():
         raise ValueError(f"--out {str(path)!r} is a directory")
     if not path.parent.is_dir():

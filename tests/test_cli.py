@@ -80,6 +80,8 @@ def test_sample_reads_jsonl_and_prints_a_summary(tmp_path, model_dir, capsys):
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--stop", "</answer>", ""], "stop=['</answer>', '']"),
     (["sample", "--prompts", "{empty}", "--out", "x.parquet"], "holds no prompts"),
     (["sample", "--prompts", "{good}", "--out", "{missing}/x.parquet"], "none.jsonl' does not exist"),
+    (["sample", "--prompts", "{good}", "--out", "x.CSV"], "'x.CSV': the samples are written as Parquet, not CSV"),
+    (["demo", "--out", "x.jsonl"], "'x.jsonl': the samples are written as Parquet, not jsonl"),
     (["sample", "--prompts", "{good}", "--out", "x.parquet", "--model", "{good}/.."], "no config.json"),
 ])
 def test_errors_exit_with_a_message(tmp_path, capsys, argv, message):
