@@ -154,7 +154,7 @@ def load_service_config(source: str | Path | ServiceConfig = LOCAL_CONFIG, **ove
     if not isinstance(source, (ServiceConfig, str, os.PathLike)):
         raise ValueError(f"config={source!r:.60} must be a path to a TOML file or a ServiceConfig, "
                          f"not {type(source).__name__}")
-    data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source, dict)
+    data = msgspec.to_builtins(source) if isinstance(source, ServiceConfig) else load_toml(source)
     engine = {**data.get("engine", {}), **msgspec.to_builtins(overrides.pop("engine", {}), enc_hook=os.fspath)}
     engine.update({k: overrides.pop(k) for k in list(overrides) if k in EngineConfig.__struct_fields__})
     if isinstance(engine.get("model"), (str, os.PathLike)):  # anything else is refused by `convert`, named
@@ -209,8 +209,8 @@ def convert(data: dict[str, Any], cls: type[T]) -> T:
         raise ValueError(f"invalid {cls.__name__}: {err}") from None
 
 
-def load_toml(path: str | Path, cls: type[T], **overrides: Any) -> T:
-    """Read a TOML file into `cls`, with keyword overrides applied on top of the file's top level."""
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a TOML file; ValueError naming the file when it is missing or not TOML."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
@@ -219,5 +219,4 @@ def load_toml(path: str | Path, cls: type[T], **overrides: Any) -> T:
             data = tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-    data.update(overrides)
-    return convert(data, cls)
+    return data

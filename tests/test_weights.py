@@ -144,7 +144,7 @@ def test_bad_mode_and_source(policies, tmp_path):
     engine = make_engine(policies[0])
     with pytest.raises(ValueError, match="mode='later'"):
         engine.update_weights(policies[1], version=1, mode="later")
-    with pytest.raises(ValueError, match="neither a state dict nor a directory"):
+    with pytest.raises(ValueError, match="is not a directory of \\*.safetensors files"):
         engine.update_weights(str(tmp_path), version=1)
     shutil.copytree(policies[1], tmp_path / "new")
     save_file({"model.norm.weight": torch.ones(32) * 7}, tmp_path / "new" / "stale.safetensors")

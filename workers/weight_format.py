@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from workers.engine.checkpoint_files import not_plain, read_checkpoint_file, refuse_repeated_names
+from workers.engine.checkpoint_files import checkpoint_files, not_plain, read_checkpoint
 from workers.messages import TensorMeta
 
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -56,18 +56,13 @@ def describe(state: Mapping[str, torch.Tensor]) -> list[TensorMeta]:
 def checkpoint_tensors(path: str | Path) -> list[TensorMeta]:
     """The metadata of every tensor in the `*.safetensors` files of a directory, read from their headers
     only; ValueError if there are none, or if two files hold one name."""
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    if not files:
-        raise ValueError(f"checkpoint {str(path)!r} is not a directory of *.safetensors files")
-    headers = {file: read_checkpoint_file(file, _header) for file in files}
-    refuse_repeated_names(path, {file: [t.name for t in tensors] for file, tensors in headers.items()})
-    return [t for tensors in headers.values() for t in tensors]
+    return list(read_checkpoint(path, _header).values())
 
 
 def checkpoint_stamp(path: str | Path) -> list[tuple[str, int, int]]:
     """Name, size and modification time (ns) of each `*.safetensors` file of a checkpoint directory."""
     return [(file.name, (stat := file.stat()).st_size, stat.st_mtime_ns)
-            for file in sorted(Path(path).glob("*.safetensors"))]
+            for file in checkpoint_files(path)]
 
 
 def check_unchanged(path: str, stamp: list[tuple[str, int, int]], version: int) -> None:
@@ -80,12 +75,12 @@ def check_unchanged(path: str, stamp: list[tuple[str, int, int]], version: int) 
                          "update, since a replacement worker loads it again")
 
 
-def _header(file: Path) -> list[TensorMeta]:
-    """The metadata of the tensors of one safetensors file."""
+def _header(file: Path) -> dict[str, TensorMeta]:
+    """The metadata of the tensors of one safetensors file, by name."""
     with safe_open(file, framework="pt") as f:
         parts = {name: f.get_slice(name) for name in f.keys()}
-        return [TensorMeta(name, _SAFETENSORS_DTYPES.get(p.get_dtype(), p.get_dtype()), list(p.get_shape()))
-                for name, p in parts.items()]
+        return {name: TensorMeta(name, _SAFETENSORS_DTYPES.get(p.get_dtype(), p.get_dtype()), list(p.get_shape()))
+                for name, p in parts.items()}
 
 
 def meta_state(tensors: list[TensorMeta]) -> dict[str, torch.Tensor]:

@@ -23,6 +23,22 @@ def not_plain(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The `*.safetensors` files of checkpoint directory `path`, by name ([] when it is no directory)."""
+    return sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+
+
+def read_checkpoint(path: str | Path, read: Callable[[Path], Mapping[str, T]]) -> dict[str, T]:
+    """What `read` gives for each file of checkpoint directory `path`, merged by tensor name; ValueError when it
+    holds no such file, a file cannot be read, or two files hold one name."""
+    files = checkpoint_files(path)
+    if not files:
+        raise ValueError(f"checkpoint {str(path)!r} is not a directory of *.safetensors files")
+    loaded = {file: read_checkpoint_file(file, read) for file in files}
+    refuse_repeated_names(path, loaded)
+    return {name: value for values in loaded.values() for name, value in values.items()}
+
+
 def refuse_repeated_names(path: str | Path, names_by_file: Mapping[Path, Iterable[str]]) -> None:
     """ValueError naming a tensor that two files of checkpoint `path` both hold (a stale shard left beside the
     new ones, say): one copy would silently win."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from copy import deepcopy
-from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -14,20 +13,12 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
-from workers.engine.checkpoint_files import not_plain, read_checkpoint_file, refuse_repeated_names
+from workers.engine.checkpoint_files import not_plain, read_checkpoint
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
     """A state dict as given, or every tensor of the `*.safetensors` files of a checkpoint directory."""
-    if isinstance(source, Mapping):
-        return source
-    path = Path(source)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise ValueError(f"weights source {str(source)!r} is neither a state dict nor a directory of *.safetensors")
-    loaded = {file: read_checkpoint_file(file, load_file) for file in files}
-    refuse_repeated_names(source, loaded)
-    return {name: tensor for tensors in loaded.values() for name, tensor in tensors.items()}
+    return source if isinstance(source, Mapping) else read_checkpoint(source, load_file)
 
 
 def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
