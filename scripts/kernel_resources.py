@@ -102,7 +102,7 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", text)}
 
 
-def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+def compile_step(model: str, path: str, dtype: torch.dtype) -> None:
     """One layer's forward of a two-sequence step through TritonBackend, compiled only."""
     heads, kv_heads, head_dim, window, softcap, sinks = MODELS[model]
     q_len, splits = PATHS[path]
@@ -122,7 +122,7 @@ def compile_step(model: str, path: str, dtype: torch.dtype, compiled: dict) -> N
                     torch.zeros(heads, dtype=dtype) if sinks else None)
 
 
-def compile_delta_rule(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+def compile_delta_rule(model: str, path: str, dtype: torch.dtype) -> None:
     """One Gated DeltaNet layer's in-place decode of two rows (delta_rule_kernel.py), compiled only: q, k, v
     in `dtype`, the states in float32 as transformers keeps them; the short convolution before it (no bias,
     4 taps) with its windows in `dtype`."""
@@ -138,7 +138,7 @@ def compile_delta_rule(model: str, path: str, dtype: torch.dtype, compiled: dict
                                         torch.zeros(3, channels, 4, dtype=dtype), rows, rows)
 
 
-def compile_norms(model: str, path: str, dtype: torch.dtype, compiled: dict) -> None:
+def compile_norms(model: str, path: str, dtype: torch.dtype) -> None:
     """A model's RMS norms over three rows (norm_kernel.py), compiled only."""
     for width, gated in NORM_MODELS[model]:
         x = torch.zeros(3, width, dtype=dtype)
@@ -163,7 +163,7 @@ def compile_and_report(arch: int, dtype: str, model: str, path: str) -> None:
     try:
         for name, kernel in kernels.items():
             setattr(module, name, CompileOnly(kernel, compiled))
-        step(model, path, getattr(torch, dtype), compiled)
+        step(model, path, getattr(torch, dtype))
     finally:
         for name, kernel in kernels.items():
             setattr(module, name, kernel)

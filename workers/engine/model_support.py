@@ -24,6 +24,7 @@ from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.recurrent import Mixers
 from workers.engine.rope_cache import cache_rope_init, freeze_dynamic_rope
+from workers.engine.weights import storage
 
 _SLIDING_MASK = "create_sliding_window_causal_mask"  # transformers' masking_utils, as modeling modules import it
 # Model types verified exact in tests/test_model_coverage.py.
@@ -265,13 +266,9 @@ def _leads(v: torch.Tensor, k: torch.Tensor) -> bool:
     return (v.data_ptr(), v.stride(), v.shape[:-1]) == (k.data_ptr(), k.stride(), k.shape[:-1])
 
 
-def _storage(x: torch.Tensor) -> tuple:
-    return x.data_ptr(), x.shape, x.stride()
-
-
 def _owners(calls: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
     """Per layer, the first layer whose K and V are the same tensors as its own."""
     first: dict[tuple, int] = {}
     for layer, k, v in calls:
-        first.setdefault((_storage(k), _storage(v)), layer)
-    return tuple(first[_storage(k), _storage(v)] for _, k, v in calls)
+        first.setdefault((storage(k), storage(v)), layer)
+    return tuple(first[storage(k), storage(v)] for _, k, v in calls)

@@ -91,8 +91,8 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     state = {name: tensor for name, tensor in state.items()
              if name in targets or not any(p.search(name) for p in ignored)}
-    given = {_storage(dst) for name, dst in targets.items() if name in state}
-    problems = [f"missing {name!r}" for name, dst in targets.items() if _storage(dst) not in given]
+    given = {storage(dst) for name, dst in targets.items() if name in state}
+    problems = [f"missing {name!r}" for name, dst in targets.items() if storage(dst) not in given]
     unexpected = [name for name in state if name not in targets]
     problems = _wrapper_hint(targets, unexpected) + problems + [f"unexpected {name!r}" for name in unexpected]
     for name, dst in targets.items():
@@ -149,11 +149,11 @@ def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, tor
     for name, dst in targets.items():
         if name not in state:
             continue
-        other = first.setdefault(_storage(dst), name)
+        other = first.setdefault(storage(dst), name)
         a, b = _tensor(state[other]), _tensor(state[name])
         if other == name or a.is_meta or b.is_meta:  # names, shapes and dtypes only: values come later
             continue
-        if _storage(a) != _storage(b) and not _same_bits(a, b.to(a.device)):  # (a tied source: one tensor)
+        if storage(a) != storage(b) and not _same_bits(a, b.to(a.device)):  # (a tied source: one tensor)
             problems.append(f"{other!r} and {name!r} are one tied tensor in this model, but the update gives "
                             "them different values")
     return problems
@@ -167,7 +167,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _storage(tensor: torch.Tensor) -> tuple:
+def storage(tensor: torch.Tensor) -> tuple:
     """Where a tensor's values live: tied parameters (an LM head sharing the embedding, left out of
     checkpoints) have the same, and are updated through whichever name is given."""
     return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
