@@ -241,6 +241,9 @@ def _reload_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+NAME_RELEASE_S = 60.0  # how long a killed actor's name may stay taken
+
+
 def named_actor(name: str, namespace: str) -> ActorHandle | None:
     """The live actor of this name in `namespace`, or None (Ray frees a name some time after a kill)."""
     try:

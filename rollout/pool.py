@@ -15,6 +15,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.config import ServiceConfig
+from rollout.local_ray import NAME_RELEASE_S
 from rollout.params import SamplingParams
 from rollout.stall_watch import StallWatch
 from workers.actor import RolloutWorker
@@ -22,7 +23,6 @@ from workers.actor import RolloutWorker
 log = logging.getLogger(__name__)
 _RemoteWorker = ray.remote(RolloutWorker)
 PLACEMENT_LOG_S = 30.0  # how often a placement still pending is logged
-_NAME_RELEASE_S = 60.0  # how long a lost worker's actor name may stay taken after it was killed
 _REPLACE_TRIES = 3  # fresh workers started for one lost worker while each dies before it takes work
 
 # Readies a fresh worker (hands it the latest weights), then calls the second argument to admit it to routing.
@@ -187,7 +187,7 @@ class WorkerPool:
 
     async def _respawn(self, worker: int) -> ActorHandle:
         """`_spawn` as soon as Ray has released the actor name of a lost worker (or of a crashed service's)."""
-        deadline = time.monotonic() + _NAME_RELEASE_S
+        deadline = time.monotonic() + NAME_RELEASE_S
         while True:
             try:
                 return self._spawn(worker)

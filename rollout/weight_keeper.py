@@ -11,7 +11,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorAlreadyExistsError
 
 from rollout.config import ServiceConfig
-from rollout.local_ray import named_actor
+from rollout.local_ray import NAME_RELEASE_S, named_actor
 from workers.messages import WeightUpdate
 
 
@@ -52,7 +52,7 @@ def start_keeper(config: ServiceConfig) -> ActorHandle:
     stop_keeper(config)
     remote = ray.remote(WeightKeeper).options(name=_keeper_name(config), namespace=config.namespace,
                                               lifetime="detached", num_cpus=0, max_restarts=0)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + NAME_RELEASE_S
     while True:
         try:
             return remote.remote()
