@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from workers.engine.wrapped_global import WrappedGlobal
+
 logger = logging.getLogger(__name__)
 
 RULE, CONV = "torch_recurrent_gated_delta_rule", "causal_conv1d_update"
@@ -97,13 +99,9 @@ def _log_once(function: str, call: str) -> None:
                    call)
 
 
-class InPlace:
+class InPlace(WrappedGlobal):
     """A transformers function, wrapped: a call given a `SlotState` (any argument) is served by it in place,
     any other goes to the function."""
-
-    def __init__(self, function: Callable) -> None:
-        self.function = function
-        functools.update_wrapper(self, function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = next((a for a in (*args, *kwargs.values()) if isinstance(a, SlotState)), None)
@@ -126,6 +124,5 @@ def install_in_place(cls: type) -> frozenset[str]:
     if "recurrent" not in kinds:
         return frozenset()
     for name in kinds.values():
-        if not isinstance(namespace[name], InPlace):
-            namespace[name] = InPlace(namespace[name])
+        InPlace.install(namespace, name)
     return frozenset(kinds)

@@ -11,24 +11,21 @@ module is wrapped once (`ClampedStep`), and while a layer with a limit runs, its
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from workers.engine.wrapped_global import WrappedGlobal
+
 STEP = "mamba2_selective_state_update"
 _limit: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("dt_limit", default=None)
 
 
-class ClampedStep:
+class ClampedStep(WrappedGlobal):
     """transformers' Mamba-2 step, wrapped: inside `clamping`, dt is biased, passed through softplus and
     clamped to the running layer's limit here (the order of the chunked scan), then handed on as is."""
-
-    def __init__(self, function: Callable) -> None:
-        self.function = function
-        functools.update_wrapper(self, function)
 
     def __call__(self, state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor, *args: Any,
                  dt_bias: torch.Tensor | None = None, dt_softplus: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -50,8 +47,7 @@ def clamping(module: torch.nn.Module, forward: Callable) -> Callable:
     namespace = inspect.unwrap(type(module).forward).__globals__
     if STEP not in namespace or limit == (0.0, float("inf")):
         return forward
-    if not isinstance(namespace[STEP], ClampedStep):
-        namespace[STEP] = ClampedStep(namespace[STEP])
+    ClampedStep.install(namespace, STEP)
 
     def clamped_forward(*args, **kwargs):
         token = _limit.set(limit)
