@@ -14,6 +14,7 @@ import transformers
 from rollout import SamplingParams
 from rollout.config import EngineConfig, convert
 from tests.conftest import assert_nothing_leaked, hf_greedy, hf_model, make_engine, random_prompts, run
+from tests.model_zoo import build_zoo_model
 from workers.engine import Engine, block_pool, pipeline
 
 
@@ -130,6 +131,18 @@ def test_generation_config_processors_are_named_and_not_applied(qwen3, tmp_path,
     want = run(make_engine(qwen3), prompts, GREEDY)
     assert all(rows[key]["token_ids"] == want[key]["token_ids"] for key in want)
     assert any(hf_greedy(str(path), prompt, 12) != rows[(i, 0)]["token_ids"] for i, prompt in enumerate(prompts))
+
+
+def test_eos_of_a_vision_language_config_without_a_generation_eos(tmp_path):
+    """A checkpoint whose generation_config.json names no EOS (sampling defaults only) ends samples on its
+    config's EOS, which a vision-language config (Gemma 3) keeps in its text config alone."""
+    path = build_zoo_model("gemma3", tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    config["text_config"]["eos_token_id"] = 5
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 0.95}))
+    assert make_engine(path).eos_token_ids == {5}
 
 
 def test_eos_stops_unless_ignored(qwen3):

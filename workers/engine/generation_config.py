@@ -20,10 +20,12 @@ _GREEDY_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad
 
 
 def eos_token_ids(model: transformers.PreTrainedModel) -> frozenset[int]:
-    """The generation config's EOS ids, or the model config's when it names none."""
+    """The generation config's EOS ids, or the model config's when it names none (a vision-language config's
+    are in its text config)."""
     eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = model.config.eos_token_id
+    for config in (model.config, model.config.get_text_config()):
+        if eos is None:
+            eos = getattr(config, "eos_token_id", None)
     return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
