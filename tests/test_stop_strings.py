@@ -43,7 +43,7 @@ def a_stop_string(tokenizer, tokens: list[int]) -> str:
 @pytest.mark.parametrize("async_batching", [False, True])
 def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_batching):
     path = model_dir("qwen3")
-    tokenizer = load_tokenizer(make_engine(path).config)
+    tokenizer, _ = load_tokenizer(make_engine(path).config)
     free = free_run(path)
     stop = a_stop_string(tokenizer, free[(0, 1)]["token_ids"])
     rows = run(make_engine(path, async_batching=async_batching), PROMPTS, SamplingParams(**SAMPLED, stop=[stop]))
@@ -63,7 +63,7 @@ def test_a_sample_ends_at_the_token_completing_its_stop_string(model_dir, async_
 def test_a_string_is_completed_only_by_its_last_token(model_dir, clean_up):
     """Never with the prompt's text ("fo" + "x" is no "fox"); also for a tokenizer that cleans up spaces when
     decoding, read through its own `batch_decode`."""
-    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer, _ = load_tokenizer(make_engine(model_dir("qwen3")).config)
     tokenizer.clean_up_tokenization_spaces = clean_up
     prompt = tokenizer.encode("A dog and a fo")
     tokens = prompt + tokenizer.encode("x jumps over the lazy dog.")
@@ -77,7 +77,7 @@ def test_a_string_spread_over_many_tokens_is_found(model_dir):
     """Characters of three byte-level tokens each, and a string split by special tokens that decode to nothing:
     each is found at the token completing it, in one batch of every prefix (a tail of a fixed number of
     tokens, twice the string's characters and 8, missed both)."""
-    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer, _ = load_tokenizer(make_engine(model_dir("qwen3")).config)
     prompt = tokenizer.encode("Q:")
     cases = [(tokenizer.encode("some words 答案结束了请停止生成 tail"), "答案结束了请停止生成"),
              (tokenizer.encode("x ab") + [tokenizer.eos_token_id] * 20 + tokenizer.encode("cd e"), "abcd")]
@@ -92,7 +92,7 @@ def test_a_string_spread_over_many_tokens_is_found(model_dir):
 def test_a_run_of_special_tokens_is_not_decoded_again_every_step(model_dir, monkeypatch):
     """With `ignore_eos` a sample may emit EOS after EOS: a token that decodes to nothing completes no string,
     so such a step decodes nothing of the sample (its tail would widen over the whole run, every step)."""
-    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer, _ = load_tokenizer(make_engine(model_dir("qwen3")).config)
     decoded = []
     decode = tokenizer_module.decode
     monkeypatch.setattr(tokenizer_module, "decode", lambda tok, batch: decoded.append(sum(map(len, batch))) or decode(
@@ -107,7 +107,7 @@ def test_a_special_tokens_own_text_as_a_stop_string_ends_the_sample_at_it(model_
     """`stop=["<|im_end|>"]` (a special token, which the text leaves out) stops at that token, as `generate`'s
     stop_strings do, for a named special token and one only the added vocabulary marks special (Llama 3's
     `<|eom_id|>`); it was never found, so such a sample ran to its length."""
-    tokenizer = load_tokenizer(make_engine(model_dir("qwen3")).config)
+    tokenizer, _ = load_tokenizer(make_engine(model_dir("qwen3")).config)
     tokenizer.backend_tokenizer.add_special_tokens([AddedToken("<|eom_id|>", special=True)])
     tokenizer.save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
@@ -130,7 +130,7 @@ def test_stop_strings_without_a_tokenizer_are_refused_before_any_work(zoo_dir, f
     assert engine.tokenizer is None
     prompts = random_prompts(2, 128, (4, 12))
     assert engine.generate(prompts, SamplingParams(max_new_tokens=2)).column("text").null_count == 2
-    with pytest.raises(ValueError, match="is a string but model .* has no tokenizer"):
+    with pytest.raises(ValueError, match="is a string, but model .* has no tokenizer"):
         engine.generate(["hello"], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match=r"stop=\['x'\] needs the model's tokenizer"):
         engine.generate(prompts, SamplingParams(stop=["x"]))
@@ -196,17 +196,22 @@ def test_a_stop_string_holding_a_special_token_beside_text_is_refused(model_dir)
 
 def test_a_tokenizer_that_fails_to_load_is_named(model_dir, tmp_path, caplog):
     """A model directory whose tokenizer files do not load (a missing package, a broken file) still serves
-    token-id prompts; the log says why its string prompts are refused. One without such files logs nothing."""
+    token-id prompts; the log and the refusals of string prompts and stop strings say why. One without such
+    files logs nothing."""
     path = shutil.copytree(model_dir("qwen3"), tmp_path / "model")
     (path / "tokenizer.json").write_text("{ not json")
     with caplog.at_level(logging.WARNING, logger="workers.engine.tokenizer"):
-        assert load_tokenizer(make_engine(str(path)).config) is None
-    assert f"the tokenizer of '{path}' did not load" in caplog.text
+        engine = make_engine(str(path))
+    assert engine.tokenizer is None and f"the tokenizer of '{path}' did not load" in caplog.text
+    for call in (lambda: engine.generate(["hello"], SamplingParams()),
+                 lambda: engine.add_request([1, 2], SamplingParams(stop=["x"]))):
+        with pytest.raises(ValueError, match=f"the tokenizer of '{path}' did not load \\(JSONDecodeError: "):
+            call()
     caplog.clear()
     for name in ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]:
         (path / name).unlink(missing_ok=True)
     with caplog.at_level(logging.WARNING, logger="workers.engine.tokenizer"):
-        assert load_tokenizer(make_engine(str(path)).config) is None
+        assert load_tokenizer(make_engine(str(path)).config) == (None, f"model '{path}' has no tokenizer")
     assert "did not load" not in caplog.text
 
 

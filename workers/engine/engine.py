@@ -50,7 +50,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.runner.model)
         warn_unapplied_processors(self.runner.model)
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer, self.no_tokenizer = load_tokenizer(config)
         self.stops = StopStrings(self.tokenizer) if self.tokenizer is not None else None
         warn_silent_tokenizer_eos(self.tokenizer, self.eos_token_ids)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size)
@@ -82,9 +82,9 @@ class Engine:
     def tokenize(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Token ids of each prompt, validated; strings need the model's tokenizer. With `params`, each
         prompt's `params.n` samples must also fit this engine's cache."""
-        out = encode_prompts(prompts, self.tokenizer, self.config.model, self.vocab_size, self.max_model_len)
+        out = encode_prompts(prompts, self.tokenizer, self.no_tokenizer, self.vocab_size, self.max_model_len)
         if params is not None:
-            check_params(params, self.vocab_size, self.stops)
+            check_params(params, self.vocab_size, self.stops, self.no_tokenizer)
             for i, ids in enumerate(out):
                 check_fits(self.config, self.pool.num_blocks, self.max_model_len, i, len(ids), params, params.n)
         return out
@@ -95,7 +95,7 @@ class Engine:
         """Queue one prompt for `params.n` samples (or only `sample_indices`); returns its request id.
         `repeat`: which copy of an identical prompt of its call this is (`rollout.params.prompt_repeats`).
         The request keeps a copy of `params`: the caller may change and reuse its object at once."""
-        check_params(params, self.vocab_size, self.stops)
+        check_params(params, self.vocab_size, self.stops, self.no_tokenizer)
         params = copy.deepcopy(params)
         ids = check_prompt(prompt_index, prompt_token_ids, self.vocab_size, self.max_model_len)
         indices = check_sample_indices(sample_indices, params.n)

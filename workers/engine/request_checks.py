@@ -15,15 +15,16 @@ from workers.engine.stop_strings import StopStrings
 from workers.engine.tokenizer import encode_prompt
 
 
-def encode_prompts(prompts: object, tokenizer: transformers.PreTrainedTokenizerBase | None, model: str,
+def encode_prompts(prompts: object, tokenizer: transformers.PreTrainedTokenizerBase | None, no_tokenizer: str,
                    vocab_size: int, max_model_len: int) -> list[list[int]]:
-    """Token ids of each prompt, validated; strings need `model`'s tokenizer."""
+    """Token ids of each prompt, validated; strings need the model's tokenizer (`no_tokenizer` says why there
+    is none)."""
     check_prompt_list(prompts)
     out = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise ValueError(f"prompt {i} is a string but model {model!r} has no tokenizer")
+                raise ValueError(f"prompt {i} is a string, but {no_tokenizer}")
             prompt = _encoded(i, tokenizer, prompt)
         out.append(check_prompt(i, prompt, vocab_size, max_model_len))
     return out
@@ -72,11 +73,11 @@ def check_sample_indices(sample_indices: object, n: int) -> list[int]:
     return sorted({int(i) for i in indices})
 
 
-def check_params(params: object, vocab_size: int, stops: StopStrings | None) -> None:
+def check_params(params: object, vocab_size: int, stops: StopStrings | None, no_tokenizer: str) -> None:
     """Refuse sampling parameters that are not a valid `SamplingParams` (validated again: a field may have been
     set since it was built), whose stop tokens the model could never produce, or stop strings without a
-    tokenizer to read them with (`stops` None) or that hold a special token beside other text: the text
-    leaves special tokens out, so such a string would never be found."""
+    tokenizer to read them with (`stops` None, `no_tokenizer` saying why) or that hold a special token beside
+    other text: the text leaves special tokens out, so such a string would never be found."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {params!r:.60}")
     params.__post_init__()
@@ -84,8 +85,8 @@ def check_params(params: object, vocab_size: int, stops: StopStrings | None) -> 
     if outside:
         raise ValueError(f"stop_token_ids has {outside[0]}, outside the vocabulary [0, {vocab_size})")
     if params.stop and stops is None:
-        raise ValueError(f"stop={params.stop!r} needs the model's tokenizer, and this model directory has none "
-                         "(stop_token_ids work without one)")
+        raise ValueError(f"stop={params.stop!r} needs the model's tokenizer, but {no_tokenizer} (stop_token_ids "
+                         "work without one)")
     for stop in params.stop:
         special = next((t for t in stops.silent.values() if t in stop and t != stop), None)
         if special is not None:

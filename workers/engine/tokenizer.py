@@ -13,18 +13,23 @@ from rollout.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(config: EngineConfig) -> transformers.PreTrainedTokenizerBase | None:
-    """The model's tokenizer, or None when it has none, it needs a package that is not installed or
-    code of its own without `trust_remote_code`: token-id prompts still work, string prompts are then refused.
-    A directory without tokenizer files gets an empty tokenizer from transformers 5 (special tokens only): none."""
+def load_tokenizer(config: EngineConfig) -> tuple[transformers.PreTrainedTokenizerBase | None, str]:
+    """The model's tokenizer and "", or None and why there is none (said in the errors of string prompts and
+    stop strings, which are then refused; token-id prompts still work): no tokenizer files, or files that did
+    not load (a package not installed, code of its own without `trust_remote_code`, a broken file). A
+    directory without tokenizer files gets an empty tokenizer from transformers 5 (special tokens only): none."""
+    none = f"model {config.model!r} has no tokenizer"
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError) as err:
-        if _has_tokenizer_files(config.model):
-            logger.warning("the tokenizer of %r did not load (%s: %s): string prompts and stop strings are refused "
-                           "and rows have no text", config.model, type(err).__name__, err)
-        return None
-    return tokenizer if set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids) else None
+        if not _has_tokenizer_files(config.model):
+            return None, none
+        why = f"the tokenizer of {config.model!r} did not load ({type(err).__name__}: {err})"
+        logger.warning("%s: string prompts and stop strings are refused and rows have no text", why)
+        return None, why
+    if set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids):
+        return tokenizer, ""
+    return None, none
 
 
 def _has_tokenizer_files(model: str) -> bool:
