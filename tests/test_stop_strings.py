@@ -262,3 +262,20 @@ def test_a_string_of_byte_token_characters_is_found(byte_fallback_tokenizer):
         samples = [(prompt + generated[:end], len(prompt)) for end in range(1, len(generated) + 1)]
         hits = StopStrings(tok).completed(samples, [[stop]] * len(samples))
         assert hits.index(True) == next(i for i, text in enumerate(texts) if stop in text), stop
+
+
+@pytest.mark.parametrize("specials", [1, 5, 7])
+def test_text_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space(byte_fallback_tokenizer, specials):
+    """A prompt ending in special tokens, which decode to nothing: the context reaches back to text, or a
+    decoder that strips a decode's leading space (Llama 2's, Mistral's) strips the completion's, from the row's
+    text and from the text stop strings are read in (the last five prompt tokens alone lost it)."""
+    tok = byte_fallback_tokenizer
+    prompt = tok.encode("the cat") + [tok.bos_token_id] * specials
+    generated = tok.encode(" the", add_special_tokens=False)[1:]
+    assert tok.decode(generated) == "the" and tok.decode(prompt + generated, skip_special_tokens=True) == "the cat the"
+    group = SimpleNamespace(prompt_token_ids=prompt, request_id="r", prompt_index=0,
+                            params=SimpleNamespace(return_token_versions=False))
+    seq = SimpleNamespace(group=group, token_ids=prompt + generated, num_prompt_tokens=len(prompt),
+                          logprobs=[0.0] * len(generated), versions=[0], num_preemptions=0)
+    assert sample_row(seq, 0, "length", 0, 0, tok)["text"] == " the"
+    assert StopStrings(tok).completed([(prompt + generated, len(prompt))], [[" the"]]) == [True]

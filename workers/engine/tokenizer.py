@@ -87,17 +87,24 @@ def _contexts(tokenizer: transformers.PreTrainedTokenizerBase,
     """The last `CONTEXT_TOKENS` of each of `befores`, and the text of each non-empty one, by index; where that
     text has U+FFFD (a cut inside a character, which a byte-fallback decoder, SentencePiece's in Llama 2, Mistral
     and Gemma, spreads over the whole run of byte tokens it starts, the completion's too), the shortest of up to
-    `CONTEXT_REACH` tokens whose text has none, as vLLM primes its detokenizer."""
+    `CONTEXT_REACH` tokens whose text has none, as vLLM primes its detokenizer; where it is empty (special tokens
+    only, after which a decoder that strips a decode's leading space would strip the completion's), the shortest
+    whose text is not."""
     contexts = [list(before[-CONTEXT_TOKENS:]) for before in befores]
     having = [i for i, context in enumerate(contexts) if context]
     heads = dict(zip(having, decode(tokenizer, [contexts[i] for i in having]) if having else []))
-    redo = [i for i, head in heads.items() if "\ufffd" in head and len(befores[i]) > CONTEXT_TOKENS]
+    redo = [i for i, head in heads.items() if _unclean(head) and len(befores[i]) > CONTEXT_TOKENS]
     sizes = range(CONTEXT_TOKENS + 1, CONTEXT_REACH + 1)
     wider = [list(befores[i][-size:]) for i in redo for size in sizes]
     texts = decode(tokenizer, wider) if wider else []
     for k, i in enumerate(redo):
         tried = range(k * len(sizes), (k + 1) * len(sizes))
-        clean = next((j for j in tried if "\ufffd" not in texts[j]), None)
+        clean = next((j for j in tried if not _unclean(texts[j])), None)
         if clean is not None:
             contexts[i], heads[i] = wider[clean], texts[clean]
     return contexts, heads
+
+
+def _unclean(text: str) -> bool:
+    """Whether a context's text cannot start a decode that a completion's text is cut from."""
+    return not text or "\ufffd" in text
