@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     service, sampling, cluster = _service_options(), _sampling_options(), _cluster_options()
     sample = _command(sub, _sample, [service, sampling], "sample completions of a JSONL prompt file into Parquet")
     sample.add_argument("--prompts", type=Path, required=True, help=(
-        "JSONL file, one prompt per line: a string, a list of token ids, or an object with a \"prompt\" "
-        "field holding either"))
+        "JSONL file (UTF-8), one prompt per line: a string, a list of token ids, or an object with a \"prompt\" "
+        "field holding either (its other fields are not read)"))
     sample.add_argument("--out", type=Path, required=True, help=(
         "Parquet file to write once every sample has arrived (replaced if it exists)"))
     demo = _command(sub, _demo, [sampling], "sample a tiny random-weight model on 2 local CPU workers")
@@ -104,7 +104,8 @@ def _sampling_options() -> argparse.ArgumentParser:
     group.add_argument("--stop-token-ids", type=int, nargs="+", action="extend", default=argparse.SUPPRESS,
                        metavar="ID", help="token ids that end a sample, besides the model's EOS (repeatable)")
     group.add_argument("--stop", nargs="+", action="extend", default=argparse.SUPPRESS, metavar="TEXT",
-                       help="strings that end a sample; the token completing one stays in it (repeatable)")
+                       help="strings that end a sample; the token completing one stays in it (repeatable; one starting "
+                       "with '-' as --stop=-->)")
     group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
                        help="keep generating after the model's EOS token")
     return options

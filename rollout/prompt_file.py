@@ -35,7 +35,7 @@ def _text(path: Path) -> str:
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} is not a file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is skipped
     except UnicodeDecodeError as err:
         raise ValueError(f"prompt file {str(path)!r} is not UTF-8 text ({err})") from None
 

@@ -41,13 +41,13 @@ def recorded(monkeypatch) -> dict:
      {"n": 8, "stop_token_ids": [3, 4, 5], "stop": ["</a>", "END"]}),
 ])
 def test_sample_passes_every_prompt_and_flag_and_writes_every_row(tmp_path, recorded, capsys, argv, init, sampling):
-    """Each prompt of the file once, in order (blank lines skipped; lines end at "\\n" only, as U+2028 or U+0085
-    may stand unescaped in a JSON string), each flag given (zeros too) and no other reach the service; the file
-    holds the call's table as it came, and the summary counts it."""
+    """Each prompt of the file once, in order (a byte-order mark and blank lines skipped; lines end at "\\n" only,
+    as U+2028 or U+0085 may stand unescaped in a JSON string), each flag given (zeros too) and no other reach the
+    service; the file holds the call's table as it came, and the summary counts it."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.parquet"
     lines = ['"Grüße 😀"', "", "  \t", "[0, 5]\r", '{"prompt": "x", "id": 3}', '{"prompt": [9]}', '"a\u2028b\x85c"',
              '"x"']
-    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    prompts.write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")  # with a byte-order mark
     assert main(["sample", "--prompts", str(prompts), "--out", str(out), *argv]) == 0
     assert recorded["init"] == ((LOCAL_CONFIG,), init) and recorded["shutdown"]
     expected = ["Grüße 😀", [0, 5], "x", [9], "a\u2028b\x85c", "x"]
