@@ -13,22 +13,18 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import tomllib
 
-from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
+from rollout.cli_options import (
+    check_n,
+    cluster_options,
+    config_overrides,
+    sampling_flags,
+    sampling_options,
+    service_options,
+)
+from rollout.config import LOCAL_CONFIG, load_service_config
 from rollout.out_file import check_out, write_out
-from rollout.params import SamplingParams
 from rollout.prompt_file import at_line, read_prompts
-
-_SAMPLING_FLAGS = {  # SamplingParams field -> (type, help); --help shows SamplingParams' defaults
-    "temperature": (float, "sampling temperature; 0 = greedy"),
-    "top_p": (float, "nucleus sampling threshold in (0, 1]"),
-    "top_k": (int, "keep the k most likely tokens; 0 = off"),
-    "min_p": (float, "drop tokens less likely than min_p times the most likely one"),
-    "max_new_tokens": (int, "most tokens generated per sample"),
-    "seed": (int, "makes every sample reproducible (default: a fresh seed per prompt)"),
-    "logprobs_mode": (str, "'processed' (after temperature and filters; greedy: the model's) or 'raw' (the model's)"),
-}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         "Rollout service for RL post-training: LLM engines on Ray workers stream sampled completions "
         "as Arrow record batches."))
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    service, sampling, cluster = _service_options(), _sampling_options(), _cluster_options()
+    service, sampling, cluster = service_options(), sampling_options(), cluster_options()
     sample = _command(sub, _sample, [service, sampling], "sample completions of a JSONL prompt file into Parquet")
     sample.add_argument("--prompts", type=Path, required=True, help=(
         "JSONL file (UTF-8), one prompt per line: a string, a list of token ids, or an object with a \"prompt\" "
@@ -78,47 +74,6 @@ def _command(sub: Any, run: Any, parents: list[argparse.ArgumentParser], help_te
     return command
 
 
-def _service_options() -> argparse.ArgumentParser:
-    options = argparse.ArgumentParser(add_help=False)
-    group = options.add_argument_group("service")
-    group.add_argument("--config", type=Path, default=LOCAL_CONFIG,
-                       help="service config TOML (default: configs/local.toml, 2 CPU workers)")
-    group.add_argument("--model", help="Hugging Face model directory (overrides engine.model)")
-    group.add_argument("--num-workers", type=int, help="number of workers (overrides num_workers)")
-    group.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=(
-        "override a config field, the value in TOML syntax, e.g. --set flush_rows=32 --set dtype=bfloat16 "
-        "(engine fields are named directly); repeatable"))
-    return options
-
-
-def _sampling_options() -> argparse.ArgumentParser:
-    options = argparse.ArgumentParser(add_help=False)
-    group = options.add_argument_group("sampling")
-    group.add_argument("--n", type=int, default=8, help="samples per prompt (default: 8)")
-    defaults = SamplingParams()
-    for field, (kind, help_text) in _SAMPLING_FLAGS.items():
-        default = getattr(defaults, field)
-        shown = "" if default is None else f" (default: {default})"
-        group.add_argument(f"--{field.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
-                           help=help_text + shown)
-    group.add_argument("--stop-token-ids", type=int, nargs="+", action="extend", default=argparse.SUPPRESS,
-                       metavar="ID", help="token ids that end a sample, besides the model's EOS (repeatable)")
-    group.add_argument("--stop", nargs="+", action="extend", default=argparse.SUPPRESS, metavar="TEXT",
-                       help="strings that end a sample; the token completing one stays in it (repeatable; one starting "
-                       "with '-' as --stop=-->)")
-    group.add_argument("--ignore-eos", action="store_true", default=argparse.SUPPRESS,
-                       help="keep generating after the model's EOS token")
-    return options
-
-
-def _cluster_options() -> argparse.ArgumentParser:
-    options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--address", default="auto", help=(
-        "Ray cluster to join, HOST:PORT (default: auto = RAY_ADDRESS, as set in a Ray job, or the head node "
-        "`ray start --head` started on this machine; never another process's embedded Ray)"))
-    return options
-
-
 def _sample(args: argparse.Namespace) -> int:
     """Sample --n completions of every prompt in --prompts with the service of --config, started for this
     command on an embedded local Ray (by default 2 CPU workers) and stopped after, write them to --out as
@@ -128,10 +83,10 @@ def _sample(args: argparse.Namespace) -> int:
 
     prompts, lines = read_prompts(args.prompts)
     check_out(args.out)
-    sampling_params(args.n, _sampling(args))  # bad flags fail before Ray starts
-    _check_n(args.n, load_service_config(args.config, **_overrides(args)))
+    sampling_params(args.n, sampling_flags(args))  # bad flags fail before Ray starts
+    check_n(args.n, load_service_config(args.config, **config_overrides(args)))
     try:
-        _run(prompts, args, args.config, **_overrides(args))
+        _run(prompts, args, args.config, **config_overrides(args))
     except ValueError as err:  # the engines' errors name a prompt by its place in the call
         raise at_line(err, args.prompts, lines) from None
     return 0
@@ -146,8 +101,8 @@ def _demo(args: argparse.Namespace) -> int:
     from rollout.stream import sampling_params
 
     check_out(args.out)
-    sampling_params(args.n, _sampling(args))  # bad flags fail before the model is built or Ray starts
-    _check_n(args.n, load_service_config(LOCAL_CONFIG))
+    sampling_params(args.n, sampling_flags(args))  # bad flags fail before the model is built or Ray starts
+    check_n(args.n, load_service_config(LOCAL_CONFIG))
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
     table = _run(DEMO_PROMPTS, args, LOCAL_CONFIG, model=demo_model(), num_workers=2)
     for row in table.slice(0, 2).to_pylist():
@@ -165,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rollout.local_ray import join_cluster
     from rollout.service import launch, stop
 
-    config = load_service_config(args.config, **_overrides(args))
+    config = load_service_config(args.config, **config_overrides(args))
     join_cluster(args.address, config.namespace)
     with _sigterm_as_interrupt():  # while the engines load: `ray job stop` ends it as Ctrl-C does
         service = launch(config, detached=args.detach)
@@ -211,7 +166,7 @@ def _stop(args: argparse.Namespace) -> int:
     from rollout.service import stop
     from rollout.weight_keeper import stop_keeper
 
-    config = load_service_config(args.config, **_overrides(args))
+    config = load_service_config(args.config, **config_overrides(args))
     join_cluster(args.address, config.namespace)
     service = named_actor(config.name, config.namespace)
     if service is not None:
@@ -234,7 +189,7 @@ def _run(prompts: list, args: argparse.Namespace, config: str | Path, **override
             rollout.init(config, **overrides)
             try:
                 start = time.perf_counter()
-                table = rollout.sample(prompts, n=args.n, progress=True, **_sampling(args)).to_table()
+                table = rollout.sample(prompts, n=args.n, progress=True, **sampling_flags(args)).to_table()
                 seconds = time.perf_counter() - start
             finally:
                 rollout.shutdown()
@@ -267,40 +222,6 @@ def summary(table: pa.Table, seconds: float) -> str:
     preempted = pc.sum(pc.greater(table.column("num_preemptions"), 0).cast(pa.int64())).as_py() or 0
     return (f"{table.num_rows} samples, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s); "
             f"finish: {finished or '-'}; {preempted} preempted")
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Config field overrides from --model, --num-workers and --set FIELD=VALUE."""
-    out: dict[str, Any] = {}
-    for item in args.set:
-        field, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r} must have the form FIELD=VALUE")
-        try:
-            out[field.strip()] = tomllib.loads(f"value = {value}")["value"]
-        except tomllib.TOMLDecodeError as err:
-            if value.lstrip()[:1] in ("[", "{", '"', "'"):
-                raise ValueError(f"--set {item!r}: the value is not TOML ({err})") from None
-            out[field.strip()] = value  # a bare string, e.g. --set model=/models/x
-    if args.model is not None:
-        out["model"] = args.model
-    if args.num_workers is not None:
-        out["num_workers"] = args.num_workers
-    return out
-
-
-def _check_n(n: int, config: ServiceConfig) -> None:
-    """Refuse --n above the engines' `max_num_seqs` now: a prompt's samples run together on one engine, which
-    would refuse them only once Ray and the engines had started."""
-    if n > config.engine.max_num_seqs:
-        raise ValueError(f"--n {n} exceeds max_num_seqs={config.engine.max_num_seqs}: a prompt's samples run "
-                         "together on one engine (raise it with --set max_num_seqs=N)")
-
-
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling keywords given on the command line (the rest keep SamplingParams' defaults)."""
-    return {name: getattr(args, name) for name in [*_SAMPLING_FLAGS, "stop_token_ids", "stop", "ignore_eos"]
-            if hasattr(args, name)}
 
 
 if __name__ == "__main__":
