@@ -4,7 +4,8 @@ and serves `sample` calls from any driver; `launch` starts it and waits until ev
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import contextlib
+from typing import AsyncIterator, Iterator
 
 import pyarrow as pa
 import ray
@@ -34,6 +35,7 @@ class RolloutService:
         self.weights = WeightUpdates(config, keeper)
         self.pool = WorkerPool(config, prepare=self.weights.replay)
         self.callers = CallerWatch()
+        self.stopping = False
         self.started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> int:
@@ -51,52 +53,77 @@ class RolloutService:
                      caller: Caller) -> AsyncIterator[pa.RecordBatch | int]:
         """Yield the number of samples once every prompt is validated and queued, then record batches as
         samples finish. The call is aborted if `caller`'s process dies."""
-        await self.ready()
-        token_ids, num_blocks = await self.pool.tokenize(prompts, params)
-        call = SampleCall(self.pool, token_ids, params, num_blocks)
-        with self.callers.watching(caller, call):
-            async for item in call.run():
-                yield item
+        with self._serving(finished=False):  # once it has run, its samples are all out: none is refused
+            await self.ready()
+            token_ids, num_blocks = await self.pool.tokenize(prompts, params)
+            call = SampleCall(self.pool, token_ids, params, num_blocks)
+            with self.callers.watching(caller, call):
+                async for item in call.run():
+                    yield item
 
     async def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker, by worker id."""
-        await self.ready()
-        return await self.pool.stats()
+        with self._serving():
+            await self.ready()
+            return await self.pool.stats()
 
     async def check_weights(self, update: WeightUpdate) -> None:
         """Raise ValueError if the engines would refuse the update's tensors; changes nothing."""
-        await self.ready()
-        await self.weights.check(self.pool, update)
+        with self._serving():
+            await self.ready()
+            await self.weights.check(self.pool, update)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """Check the update, apply it on every worker; returns once every live worker has its version. Slots
         left empty because their replacement could not take the previous weights are filled again."""
-        await self.ready()
-        await self.weights.apply(self.pool, update)
-        self.pool.refill()
+        with self._serving():
+            await self.ready()
+            await self.weights.apply(self.pool, update)
+            self.pool.refill()
 
     async def weight_group_spec(self, backend: str | None) -> tuple[int, str]:
         """World size and backend of a new broadcast group (see `init_weight_sync`)."""
-        await self.ready()
-        return await self.weights.group_spec(self.pool, backend)
+        with self._serving():
+            await self.ready()
+            return await self.weights.group_spec(self.pool, backend)
 
     async def join_weight_group(self, group: WeightGroup) -> None:
         """Have every worker join the trainer's broadcast group; returns once all have."""
-        await self.ready()
-        await self.weights.join_group(self.pool, group)
+        with self._serving():
+            await self.ready()
+            await self.weights.join_group(self.pool, group)
+
+    @contextlib.contextmanager
+    def _serving(self, finished: bool = True) -> Iterator[None]:
+        """Refuse a call with `ServiceUnavailable` once `shutdown` has begun: at its start, when it fails, and (with
+        `finished`) when it returns; what it would otherwise give comes from a pool being emptied (no stats, "every
+        worker has died", an update that reached no worker or a weight keeper just killed)."""
+        self._refuse_once_stopping()
+        try:
+            yield
+        except Exception as err:
+            self._refuse_once_stopping(err)
+            raise
+        if finished:
+            self._refuse_once_stopping()
+
+    def _refuse_once_stopping(self, err: Exception | None = None) -> None:
+        if self.stopping:
+            raise ServiceUnavailable(_STOPPED) from err
 
     async def shutdown(self) -> None:
         """Abort the running calls, stop replacing workers, kill them and free their placement; the actor itself
         is killed by the caller. (Async, so that it runs on the event loop that owns the replacement tasks it
         cancels.)"""
+        self.stopping = True
         self.started.cancel()
-        await self.callers.abort_all(ServiceUnavailable("the rollout service was stopped (rollout.shutdown() or "
-                                                        "`rollout stop`)"))
+        await self.callers.abort_all(ServiceUnavailable(_STOPPED))
         self.pool.shutdown()
         if self.keeper is not None:
             ray.kill(self.keeper, no_restart=True)
 
 
+_STOPPED = "the rollout service was stopped (rollout.shutdown() or `rollout stop`)"
 _RemoteService = ray.remote(RolloutService)
 
 

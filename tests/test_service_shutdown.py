@@ -1,7 +1,7 @@
 """`rollout.shutdown()` while other threads use the service: a thread blocked in a stream, and one busy between
 two batches of its stream, each get `ServiceUnavailable` naming the shutdown (a read racing Ray's shutdown
 could end the whole process, or raise Ray's internals), and a later `sample` does not start a service by
-itself."""
+itself; calls that meet a service while it stops (`rollout stop` from another process) are refused as stopped."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import ray
 
 import rollout
 from rollout import api, service_lost
+from rollout.service import RolloutService
 from rollout.service_lost import ServiceUnavailable, service_calls
-from tests.conftest import random_prompts
+from tests.conftest import hf_model, random_prompts
+from trainer_client import RolloutClient
 
 
 def read(new_tokens: int, reading: threading.Event, pause: threading.Event, out: dict, name: str) -> None:
@@ -81,3 +83,35 @@ def test_shutdown_stops_ray_once_the_threads_inside_a_call_have_returned(monkeyp
     rollout.shutdown()
     thread.join(10)
     assert inside_at_stop == [0]
+
+
+def test_calls_once_the_service_began_to_stop_are_refused_as_stopped(model_dir):
+    """Between the service's own shutdown (its calls aborted, its workers killed) and the kill of its actor, as
+    `rollout stop` from another process runs them, a call is refused naming the stop: not `{}` from `stats`,
+    "every worker has died" from `sample`, or an update that reached no worker."""
+    rollout.init(model=model_dir("qwen3"), num_workers=1, max_num_seqs=8, num_blocks=512)
+    try:
+        client = RolloutClient(api._service)
+        state = {name: tensor.clone() for name, tensor in hf_model(model_dir("qwen3")).state_dict().items()}
+        ray.get(api._service.shutdown.remote())
+        for call in (client.stats, lambda: rollout.sample([[5, 6]], n=1), lambda: client.update_weights(state, 1)):
+            with pytest.raises(ServiceUnavailable, match=r"the rollout service was stopped \(rollout.shutdown\(\) or"):
+                call()
+    finally:
+        rollout.shutdown()
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_call_running_when_the_stop_began_is_refused_as_stopped(failed):
+    """A call already running when the stop began (an update waiting for samples to finish) ends refused, whether
+    the emptied pool made it fail or return; a sample call that returned gave all its samples and stands."""
+    service = object.__new__(RolloutService)
+    service.stopping = False
+    with pytest.raises(ServiceUnavailable, match="was stopped"):
+        with service._serving():
+            service.stopping = True
+            if failed:
+                raise RuntimeError("every worker of the service has died")
+    service.stopping = False
+    with service._serving(finished=False):
+        service.stopping = True

@@ -53,7 +53,7 @@ class RolloutClient:
     def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker of the service."""
         with service_calls(self.service):
-            return ray.get(self.service.stats.remote())
+            return get_result(self.service.stats.remote())
 
     def update_weights(self, source: WeightSource, version: int, mode: str = "continue", *,
                        transport: str | None = None) -> None:
