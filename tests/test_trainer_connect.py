@@ -1,10 +1,14 @@
 """`RolloutClient.connect` against stand-in service actors on a private local Ray: it waits through a restart
-of the service, names a service that is not ready in its TimeoutError, and raises a failed load's own error."""
+of the service, names a service that is not ready in its TimeoutError, raises a failed load's own error, and
+refuses at once an actor that is no service and arguments that could name none or bound no wait."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +23,18 @@ NAMESPACE = "rollout-connect-test"
 DEAD_WORKER = "ab" * 16  # the actor id of a service's worker that died
 
 
+class StandIn:
+    """What `connect` takes a service by: its `ready` and `sample` methods (only `ready` is called here)."""
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this module
+
+
 @ray.remote(num_cpus=0, max_restarts=1)
-class Crashing:
+class Crashing(StandIn):
     """Crashes in its first `ready` call, as a service that dies just as a trainer connects; Ray restarts it."""
 
     def __init__(self, marker: str) -> None:
@@ -34,7 +48,15 @@ class Crashing:
 
 
 @ray.remote(num_cpus=0)
-class Loading:
+class Ready(StandIn):
+    """A service that has loaded its engines."""
+
+    async def ready(self) -> int:
+        return 2
+
+
+@ray.remote(num_cpus=0)
+class Loading(StandIn):
     """Never finishes loading its engines."""
 
     async def ready(self) -> int:
@@ -43,7 +65,7 @@ class Loading:
 
 
 @ray.remote(num_cpus=0)
-class Failed:
+class Failed(StandIn):
     """Failed to load its engines."""
 
     async def ready(self) -> int:
@@ -51,7 +73,7 @@ class Failed:
 
 
 @ray.remote(num_cpus=0)
-class WorkerDied:
+class WorkerDied(StandIn):
     """One of its workers died while its engine loaded."""
 
     async def ready(self) -> int:
@@ -100,3 +122,41 @@ def test_a_service_whose_worker_died_while_loading_raises_that_death(cluster):
         RolloutClient.connect(name="worker-died", namespace=NAMESPACE, timeout_s=10)
     assert error.value.actor_id == DEAD_WORKER
     ray.kill(actor)
+
+
+@ray.remote(num_cpus=0)
+class Worker:
+    """A service's worker: named `<name>-worker-<i>` beside its service, with `ready` but no `sample`."""
+
+    async def ready(self) -> int:
+        return 1
+
+
+@pytest.mark.timeout(60)
+def test_an_actor_that_is_no_service_is_refused_at_once(cluster):
+    actor = Worker.options(name="svc-worker-0", namespace=NAMESPACE).remote()
+    ray.get(actor.ready.remote())
+    with pytest.raises(ValueError, match=f"the actor 'svc-worker-0' in namespace '{NAMESPACE}' is not a rollout "):
+        RolloutClient.connect(name="svc-worker-0", namespace=NAMESPACE, timeout_s=30)
+    ray.kill(actor)
+
+
+@pytest.mark.timeout(60)
+def test_a_service_reached_without_a_time_limit(cluster):
+    """`timeout_s=math.inf` waits for good (it overflowed Ray's wait)."""
+    actor = Ready.options(name="ready", namespace=NAMESPACE).remote()
+    client = RolloutClient.connect(name="ready", namespace=NAMESPACE, timeout_s=math.inf)
+    assert ray.get(client.service.ready.remote()) == 2
+    ray.kill(actor)
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"timeout_s": math.nan}, "timeout_s=nan"), ({"timeout_s": -5}, "timeout_s=-5"), ({"timeout_s": 0}, "timeout_s=0"),
+    ({"timeout_s": "5"}, "timeout_s='5'"), ({"timeout_s": True}, "timeout_s=True"), ({"name": None}, "name=None"),
+    ({"name": ""}, "name=''"), ({"namespace": None}, "namespace=None"),
+])
+def test_arguments_that_name_no_service_or_bound_no_wait_are_refused(arguments, named, monkeypatch):
+    """Refused before joining any cluster (nan waited for ever where no service ran, inf overflowed Ray's wait)."""
+    monkeypatch.setattr("trainer_client.client.join_cluster", lambda *a: pytest.fail("joined a cluster first"))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        RolloutClient.connect(**arguments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -28,8 +29,10 @@ class RolloutClient:
                 timeout_s: float = 60.0) -> "RolloutClient":
         """Join the cluster at `address` as a driver (unless Ray is initialised already) and wait up to
         `timeout_s` for the service `namespace/name` to exist and finish loading its engines, also through a
-        restart of the service (TimeoutError naming it after that; a service that failed to load raises its
-        error). An explicit address on a token-auth cluster needs RAY_AUTH_MODE=token in the environment."""
+        restart of the service (TimeoutError naming it after that; `math.inf` waits for good; a service that
+        failed to load raises its error). An explicit address on a token-auth cluster needs RAY_AUTH_MODE=token in
+        the environment."""
+        _check_connect(name, namespace, timeout_s)
         if not ray.is_initialized():
             join_cluster(address, namespace)
         deadline = time.monotonic() + timeout_s
@@ -37,6 +40,9 @@ class RolloutClient:
             service = named_actor(name, namespace)
             if service is None:
                 problem = f"no rollout service {name!r} in namespace {namespace!r}"
+            elif not all(hasattr(service, method) for method in ("ready", "sample")):
+                raise ValueError(f"the actor {name!r} in namespace {namespace!r} is not a rollout service (a service's "
+                                 "workers are named '<name>-worker-<i>', its weight keeper '<name>-weights')")
             elif (state := _wait_ready(service, deadline)) is None:
                 return cls(service)
             else:
@@ -68,12 +74,22 @@ class RolloutClient:
         return self.weight_sync
 
 
+def _check_connect(name: object, namespace: object, timeout_s: object) -> None:
+    """ValueError naming the first of `connect`'s arguments that could name no service or bound no wait."""
+    for label, value in (("name", name), ("namespace", namespace)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{label}={value!r} must be a non-empty str")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0 (math.inf: no limit)")
+
+
 def _wait_ready(service: ActorHandle, deadline: float) -> str | None:
     """Wait until `deadline` (1 s at least) for `service` to finish loading its engines: None once it has, else
     what kept it. The error of a service that failed to load is raised as it was raised there."""
     ref = service.ready.remote()
     try:
-        done, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), 1.0))
+        left = max(deadline - time.monotonic(), 1.0)
+        done, _ = ray.wait([ref], timeout=None if math.isinf(left) else left)
         if not done:
             return "is not ready (its engines are still loading, or it is restarting)"
         get_result(ref)
