@@ -80,6 +80,14 @@ class WorkerDied(StandIn):
         raise RayActorError(actor_id=DEAD_WORKER)
 
 
+@ray.remote(num_cpus=0)
+class Worker:
+    """A service's worker: named `<name>-worker-<i>` beside its service, with `ready` but no `sample`."""
+
+    async def ready(self) -> int:
+        return 1
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     start_local_ray(load_service_config(model=model_dir("qwen3"), num_workers=1, object_store_memory_gib=0.3,
@@ -97,19 +105,18 @@ def test_connect_waits_through_a_restart_of_the_service(cluster, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_service_still_loading_is_named_in_the_timeout(cluster):
-    actor = Loading.options(name="loading", namespace=NAMESPACE).remote()
-    with pytest.raises(TimeoutError, match=f"rollout service 'loading' in namespace '{NAMESPACE}' is not ready"):
-        RolloutClient.connect(name="loading", namespace=NAMESPACE, timeout_s=2)
-    ray.kill(actor)
-
-
-@pytest.mark.timeout(60)
-def test_a_service_that_failed_to_load_raises_its_error(cluster):
-    actor = Failed.options(name="failed", namespace=NAMESPACE).remote()
-    with pytest.raises(ValueError, match="is not a model directory") as error:
-        RolloutClient.connect(name="failed", namespace=NAMESPACE, timeout_s=10)
-    assert error.type is ValueError  # not Ray's wrapper with the service's traceback
+@pytest.mark.parametrize("stand_in, name, timeout_s, error, match", [
+    (Loading, "loading", 2, TimeoutError, f"rollout service 'loading' in namespace '{NAMESPACE}' is not ready"),
+    (Failed, "failed", 10, ValueError, "is not a model directory"),
+    (Worker, "svc-worker-0", 30, ValueError, f"the actor 'svc-worker-0' in namespace '{NAMESPACE}' is not a rollout "),
+])
+def test_connect_says_what_it_found(cluster, stand_in, name, timeout_s, error, match):
+    """A service still loading is named in the TimeoutError; one that failed to load raises its own error (not
+    Ray's wrapper with the service's traceback); an actor that is no service (a worker's name) is refused at once."""
+    actor = stand_in.options(name=name, namespace=NAMESPACE).remote()
+    with pytest.raises(error, match=match) as raised:
+        RolloutClient.connect(name=name, namespace=NAMESPACE, timeout_s=timeout_s)
+    assert raised.type is error
     ray.kill(actor)
 
 
@@ -121,23 +128,6 @@ def test_a_service_whose_worker_died_while_loading_raises_that_death(cluster):
     with pytest.raises(RayActorError) as error:
         RolloutClient.connect(name="worker-died", namespace=NAMESPACE, timeout_s=10)
     assert error.value.actor_id == DEAD_WORKER
-    ray.kill(actor)
-
-
-@ray.remote(num_cpus=0)
-class Worker:
-    """A service's worker: named `<name>-worker-<i>` beside its service, with `ready` but no `sample`."""
-
-    async def ready(self) -> int:
-        return 1
-
-
-@pytest.mark.timeout(60)
-def test_an_actor_that_is_no_service_is_refused_at_once(cluster):
-    actor = Worker.options(name="svc-worker-0", namespace=NAMESPACE).remote()
-    ray.get(actor.ready.remote())
-    with pytest.raises(ValueError, match=f"the actor 'svc-worker-0' in namespace '{NAMESPACE}' is not a rollout "):
-        RolloutClient.connect(name="svc-worker-0", namespace=NAMESPACE, timeout_s=30)
     ray.kill(actor)
 
 
