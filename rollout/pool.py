@@ -18,10 +18,9 @@ from rollout.config import ServiceConfig
 from rollout.local_ray import NAME_RELEASE_S
 from rollout.params import SamplingParams
 from rollout.stall_watch import StallWatch
-from workers.actor import RolloutWorker
+from workers.actor import RemoteWorker
 
 log = logging.getLogger(__name__)
-_RemoteWorker = ray.remote(RolloutWorker)
 PLACEMENT_LOG_S = 30.0  # how often a placement still pending is logged
 _REPLACE_TRIES = 3  # fresh workers started for one lost worker while each dies before it takes work
 
@@ -56,7 +55,7 @@ class WorkerPool:
             resources["num_gpus"] = 1
         # No retries: Ray would re-run a streaming call and skip items by index, duplicating and losing
         # samples. A lost worker's samples are resent by the service instead.
-        return _RemoteWorker.options(
+        return RemoteWorker.options(
             name=f"{self.config.name}-worker-{worker_id}", namespace=self.config.namespace,
             max_restarts=0, max_task_retries=0, **resources).remote(self.config, worker_id)
 

@@ -36,6 +36,7 @@ class RolloutService:
         self.pool = WorkerPool(config, prepare=self.weights.replay)
         self.callers = CallerWatch()
         self.stopping = False
+        self.running_calls = asyncio.Semaphore(MAX_CALLS)
         self.started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> int:
@@ -53,13 +54,14 @@ class RolloutService:
                      caller: Caller) -> AsyncIterator[pa.RecordBatch | int]:
         """Yield the number of samples once every prompt is validated and queued, then record batches as
         samples finish. The call is aborted if `caller`'s process dies."""
-        with self._serving(finished=False):  # once it has run, its samples are all out: none is refused
-            await self.ready()
-            token_ids, num_blocks = await self.pool.tokenize(prompts, params)
-            call = SampleCall(self.pool, token_ids, params, num_blocks)
-            with self.callers.watching(caller, call):
-                async for item in call.run():
-                    yield item
+        async with self.running_calls:  # a call beyond MAX_CALLS waits here, not in Ray's queue before `stats`
+            with self._serving(finished=False):  # once it has run, its samples are all out: none is refused
+                await self.ready()
+                token_ids, num_blocks = await self.pool.tokenize(prompts, params)
+                call = SampleCall(self.pool, token_ids, params, num_blocks)
+                with self.callers.watching(caller, call):
+                    async for item in call.run():
+                        yield item
 
     async def stats(self) -> dict[int, dict]:
         """Engine counters, weights version and outstanding load of every live worker, by worker id."""
@@ -123,6 +125,10 @@ class RolloutService:
             ray.kill(self.keeper, no_restart=True)
 
 
+MAX_CALLS = 1000  # sample calls run at once (each holds a slot of each worker it uses: 1,000, Ray's default)
+# Slots of the service actor: every sample call may wait in one, so that `stats`, weight updates and `shutdown`
+# always find one free.
+_ACTOR_SLOTS = 100_000
 _STOPPED = "the rollout service was stopped (rollout.shutdown() or `rollout stop`)"
 _RemoteService = ray.remote(RolloutService)
 
@@ -137,7 +143,8 @@ def launch(config: ServiceConfig, *, detached: bool = False) -> ActorHandle:
                          f"{config.namespace!r}; stop it first (`rollout stop`)")
     keeper = start_keeper(config) if detached else None
     service = _RemoteService.options(
-        name=config.name, namespace=config.namespace, num_cpus=0, max_restarts=-1 if detached else 0,
+        name=config.name, namespace=config.namespace, num_cpus=0, max_concurrency=_ACTOR_SLOTS,
+        max_restarts=-1 if detached else 0,
         max_task_retries=0, lifetime="detached" if detached else None).remote(config, keeper)
     try:
         get_result(service.ready.remote())  # raised in the service, or in a worker under it: the cause says why

@@ -18,9 +18,13 @@ import pytest
 import ray
 
 import rollout
+from rollout import SamplingParams
+from rollout.config import load_service_config
 from rollout.stall_watch import StallWatch
 from tests.conftest import random_prompts
 from trainer_client import RolloutClient
+from workers.actor import RemoteWorker
+from workers.messages import PromptGroup
 
 STALL_S = 3.0
 PROMPTS = random_prompts(8, 512, (4, 12), seed=21)
@@ -192,3 +196,23 @@ def test_a_replacement_under_the_same_id_gets_the_whole_timeout():
     watch(pool, 3.5)
     assert [handle for _, handle, *_ in pool.lost] == [stalled, replacement]
     assert pool.lost[1][3] - pool.lost[0][3] > timeout
+
+
+def test_a_worker_whose_calls_hold_all_its_slots_still_answers_its_probes(client, model_dir):
+    """The service's stall probes (and death watch, stats and weight calls) have slots of their own on a worker:
+    with every default slot held by a `generate` call (1,000 calls at once in use; 2 here, both stuck behind a
+    step that never returns), `progress` is answered at once. It queued behind them, so that at 1,000 calls the
+    stall watch killed healthy workers one replacement after another, and no sample arrived."""
+    config = load_service_config(model=model_dir("qwen3"), max_num_seqs=4, num_blocks=64)
+    worker = RemoteWorker.options(max_concurrency=2, num_cpus=0).remote(config, 9)
+    try:
+        ray.get(worker.ready.remote())
+        ray.get(worker.__ray_call__.remote(hang_next_step))
+        params = SamplingParams(max_new_tokens=8)
+        calls = [worker.generate.remote(f"c{i}", [PromptGroup(0, [5, 6, 7], [0])], params) for i in range(2)]
+        assert ray.get(next(calls[0]), timeout=30) is None  # queued; the second waits to be, behind the hung step
+        time.sleep(1.0)
+        ticks, idle = ray.get(worker.progress.remote(), timeout=30)
+        assert not idle, "the worker has work"
+    finally:
+        ray.kill(worker)

@@ -12,11 +12,12 @@ import pytest
 import ray
 
 import rollout
-from rollout import api, service_lost
-from rollout.service import RolloutService
+from rollout import SamplingParams, api, service_lost
+from rollout.service import MAX_CALLS, RolloutService
 from rollout.service_lost import ServiceUnavailable, service_calls
 from tests.conftest import hf_model, random_prompts
 from trainer_client import RolloutClient
+from workers.messages import Caller
 
 
 def read(new_tokens: int, reading: threading.Event, pause: threading.Event, out: dict, name: str) -> None:
@@ -115,3 +116,21 @@ def test_a_call_running_when_the_stop_began_is_refused_as_stopped(failed):
     service.stopping = False
     with service._serving(finished=False):
         service.stopping = True
+
+
+@pytest.mark.timeout(300)
+def test_the_service_answers_beside_more_calls_than_run_at_once(model_dir):
+    """Sample calls beyond `MAX_CALLS` wait inside the service, leaving the actor's slots to the rest: with more
+    calls open than run at once, all stuck behind engines whose step never returns, `ready` (what `connect`
+    waits on) is answered and `shutdown` ends them. Ray queued those calls ahead of every other in 1,000 slots,
+    so `stats` and `rollout stop` waited for a call to end (43 s and 31 s seen) or for good."""
+    rollout.init(model=model_dir("qwen3"), num_workers=1, max_num_seqs=4, num_blocks=64, object_store_memory_gib=0.5)
+    try:
+        service, context = api._service, ray.get_runtime_context()
+        worker = ray.get_actor("rollout-worker-0", namespace="rollout")
+        ray.get(worker.__ray_call__.remote(lambda actor: setattr(actor.loop.engine, "step", threading.Event().wait)))
+        caller, params = Caller(context.get_job_id(), context.get_worker_id()), SamplingParams(max_new_tokens=4)
+        calls = [service.sample.remote([[5, 6, 7]], params, caller) for _ in range(MAX_CALLS + 8)]
+        assert ray.get(service.ready.remote(), timeout=60) == 1 and len(calls) == MAX_CALLS + 8
+    finally:
+        rollout.shutdown()
