@@ -85,8 +85,7 @@ class RolloutStream:
                 ref = next(self._generator, None)
                 return None if ref is None else get_result(ref)
             except TaskCancelledError:
-                raise RuntimeError("this stream was cancelled while it was read (cancel() from another "
-                                   "thread)") from None
+                raise RuntimeError("this stream was cancelled (cancel()) before it was read to its end") from None
 
     def to_table(self) -> pa.Table:
         """Every sample, ordered by prompt then sample."""

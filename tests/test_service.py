@@ -168,14 +168,22 @@ def test_cancel_break_off_or_drop_aborts_the_samples_and_frees_the_blocks(servic
     assert decoded() - before < 64 * 400 // 2
 
 
-def test_cancel_from_another_thread_ends_the_read_with_a_runtime_error(service, client):
+def test_cancel_ends_the_read_with_a_runtime_error(service, client):
+    """Cancelled from another thread while one reads it, or between two reads in the reading thread."""
+    cancelled = r"this stream was cancelled \(cancel\(\)\) before it was read to its end"
     stream = rollout.sample(random_prompts(4, 512, (4, 8), seed=8), n=2, max_new_tokens=1000, ignore_eos=True)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         read = pool.submit(stream.to_table)
         time.sleep(0.5)
         stream.cancel()
-        with pytest.raises(RuntimeError, match="this stream was cancelled while it was read"):
+        with pytest.raises(RuntimeError, match=cancelled):
             read.result(timeout=60)
+    stream = rollout.sample(random_prompts(4, 512, (4, 8), seed=8), n=2, max_new_tokens=1000, ignore_eos=True)
+    batches = iter(stream)
+    next(batches)
+    stream.cancel()
+    with pytest.raises(RuntimeError, match=cancelled):
+        next(batches)
     wait_until_idle(client)
 
 
