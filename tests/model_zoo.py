@@ -311,7 +311,7 @@ def zoo_model(name: str, **overrides) -> tf.PreTrainedModel:
     config_class, kwargs = ZOO[name]
     kwargs = {**kwargs, **overrides}
     config = config_class(**kwargs, tie_word_embeddings=False)
-    config.eos_token_id = None
+    config.eos_token_id = config.get_text_config().eos_token_id = None  # no EOS: samples run to their length
     auto = tf.AutoModelForImageTextToText if "vision_config" in kwargs else tf.AutoModelForCausalLM
     return auto.from_config(config, dtype=torch.float32)
 
