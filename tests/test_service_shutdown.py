@@ -16,6 +16,7 @@ from rollout import SamplingParams, api, service_lost
 from rollout.service import MAX_CALLS, RolloutService
 from rollout.service_lost import ServiceUnavailable, service_calls
 from tests.conftest import hf_model, random_prompts
+from tests.test_service_hangs import hang_next_step
 from trainer_client import RolloutClient
 from workers.messages import Caller
 
@@ -128,7 +129,7 @@ def test_the_service_answers_beside_more_calls_than_run_at_once(model_dir):
     try:
         service, context = api._service, ray.get_runtime_context()
         worker = ray.get_actor("rollout-worker-0", namespace="rollout")
-        ray.get(worker.__ray_call__.remote(lambda actor: setattr(actor.loop.engine, "step", threading.Event().wait)))
+        ray.get(worker.__ray_call__.remote(hang_next_step))
         caller, params = Caller(context.get_job_id(), context.get_worker_id()), SamplingParams(max_new_tokens=4)
         calls = [service.sample.remote([[5, 6, 7]], params, caller) for _ in range(MAX_CALLS + 8)]
         assert ray.get(service.ready.remote(), timeout=60) == 1 and len(calls) == MAX_CALLS + 8

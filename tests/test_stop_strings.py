@@ -235,6 +235,15 @@ def byte_fallback_tokenizer(tmp_path_factory) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(path)
 
 
+def row_text(tok: PreTrainedTokenizerFast, prompt: list[int], generated: list[int]) -> str:
+    """The `text` of the row of a sample that generated `generated` after `prompt`."""
+    group = SimpleNamespace(prompt_token_ids=prompt, request_id="r", prompt_index=0,
+                            params=SimpleNamespace(return_token_versions=False))
+    seq = SimpleNamespace(group=group, token_ids=prompt + generated, num_prompt_tokens=len(prompt),
+                          logprobs=[0.0] * len(generated), versions=[0], num_preemptions=0)
+    return sample_row(seq, 0, "length", 0, 0, tok)["text"]
+
+
 def test_text_after_a_prompt_of_byte_tokens_is_the_completions(byte_fallback_tokenizer):
     """A prompt ending in characters of byte tokens, cut inside one five tokens back: the context starts where
     its text has no U+FFFD, as vLLM's does; from there the byte-fallback decoder turned the prompt's and the
@@ -242,11 +251,7 @@ def test_text_after_a_prompt_of_byte_tokens_is_the_completions(byte_fallback_tok
     tok = byte_fallback_tokenizer
     prompt, generated = tok.encode("日本語"), tok.encode("本が好き", add_special_tokens=False)[1:]
     assert tok.convert_ids_to_tokens(generated[:2]) == ["<0xE6>", "<0x9C>"]
-    group = SimpleNamespace(prompt_token_ids=prompt, request_id="r", prompt_index=0,
-                            params=SimpleNamespace(return_token_versions=False))
-    seq = SimpleNamespace(group=group, token_ids=prompt + generated, num_prompt_tokens=len(prompt),
-                          logprobs=[0.0] * len(generated), versions=[0], num_preemptions=0)
-    assert sample_row(seq, 0, "length", 0, 0, tok)["text"] == "本が好き"
+    assert row_text(tok, prompt, generated) == "本が好き"
 
 
 def test_a_string_of_byte_token_characters_is_found(byte_fallback_tokenizer):
@@ -273,9 +278,5 @@ def test_text_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space(by
     prompt = tok.encode("the cat") + [tok.bos_token_id] * specials
     generated = tok.encode(" the", add_special_tokens=False)[1:]
     assert tok.decode(generated) == "the" and tok.decode(prompt + generated, skip_special_tokens=True) == "the cat the"
-    group = SimpleNamespace(prompt_token_ids=prompt, request_id="r", prompt_index=0,
-                            params=SimpleNamespace(return_token_versions=False))
-    seq = SimpleNamespace(group=group, token_ids=prompt + generated, num_prompt_tokens=len(prompt),
-                          logprobs=[0.0] * len(generated), versions=[0], num_preemptions=0)
-    assert sample_row(seq, 0, "length", 0, 0, tok)["text"] == " the"
+    assert row_text(tok, prompt, generated) == " the"
     assert StopStrings(tok).completed([(prompt + generated, len(prompt))], [[" the"]]) == [True]
