@@ -48,7 +48,9 @@
 #   at 214 s inside its first GPU test, fla autotuning; on an H200 (tenth): the engine tests 150 s, test_fla 401 s
 #   before the limit (146 s of it fla tuning Qwen3.5's kernels, whose results scripts/gpu_autotune/ now holds); on an
 #   H200 (eleventh): the engine tests 191 s, test_fla 328 s before the limit (281 s of it tuning Kimi Linear's
-#   chunk_gla_fwd_kernel_o, now in scripts/gpu_autotune/ too: its and OLMo hybrid's four tests then took 10 s).
+#   chunk_gla_fwd_kernel_o, now in scripts/gpu_autotune/ too: its and OLMo hybrid's four tests then took 10 s); on
+#   an H200 (twelfth): the engine tests 216 s (250 s from the start), test_fla's 13 tests 81 s in a second call, with no
+#   autotuning printed (41 s of it Kimi Linear's model-alone test, its first with the IEEE solve).
 #   Seven log files (bench_delta_rule's, bench_norm's and bench_pin's in bench_kernels.log) and autotune.tgz: eight
 #   files, the most a device call brings back.
 # Autotuning (fla's kernels: 201 s of test_fla's first GPU test on an H200 in the ninth session) is paid once: Triton
