@@ -35,6 +35,7 @@ FLA_FAMILIES = {"qwen3_5_text": _DELTA_32, "qwen3_next": _DELTA_32, "olmo_hybrid
 # fla's modules whose triangular solve (the chunked delta rules' (I + A)^-1) is TF32 on any NVIDIA card from sm_80,
 # whatever TRITON_F32_DEFAULT says: with it, OLMo hybrid (beta up to 2) and Kimi Linear fed whole and fed in pieces
 # were 2.1e-3 and 1.4e-3 apart on an H200 (tenth and eleventh GPU sessions), where Triton's interpreter agrees to 1.5e-7
+# (set to IEEE: every family within 1e-4 on an H200, twelfth)
 TF32_SOLVES = ("fla.ops.gated_delta_rule.chunk_fwd", "fla.ops.kda.chunk_intra")
 
 
