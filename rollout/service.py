@@ -69,11 +69,12 @@ class RolloutService:
             await self.ready()
             return await self.pool.stats()
 
-    async def check_weights(self, update: WeightUpdate) -> None:
-        """Raise ValueError if the engines would refuse the update's tensors; changes nothing."""
+    async def check_weights(self, update: WeightUpdate) -> list[list[str]]:
+        """Raise ValueError if the engines would refuse the update's tensors; changes nothing. Returns the
+        groups of the update's names that the model ties into one tensor."""
         with self._serving():
             await self.ready()
-            await self.weights.check(self.pool, update)
+            return await self.weights.check(self.pool, update)
 
     async def update_weights(self, update: WeightUpdate) -> None:
         """Check the update, apply it on every worker; returns once every live worker has its version. Slots

@@ -17,6 +17,7 @@ from ray.actor import ActorHandle
 from rollout.local_ray import get_result
 from rollout.params import WeightSource, check_update
 from rollout.service_lost import service_calls
+from workers.engine.checkpoint_files import tied_conflicts
 from workers.messages import TRANSPORTS, WeightGroup, WeightUpdate
 from workers.weight_format import (
     check_bucket_bytes,
@@ -121,7 +122,7 @@ class WeightSync:
             with self.lock, service_calls(self.service):
                 if self.closed:
                     raise RuntimeError(f"{self.closed}; call init_weight_sync() again before a broadcast update")
-                get_result(self.service.check_weights.remote(update))
+                _refuse_tied_conflicts(state_dict, get_result(self.service.check_weights.remote(update)))
                 applied = self.service.update_weights.remote(update)
                 device = group_device(self.backend)
                 try:
@@ -156,6 +157,14 @@ class WeightSync:
         with self.leaving:
             group, self.group, self.store = self.group, None, None
         close_group(group)
+
+
+def _refuse_tied_conflicts(state: Mapping[str, torch.Tensor], tied: list[list[str]]) -> None:
+    """ValueError, before a byte is sent, where `state` gives names the engines tie into one tensor (`tied`,
+    from the service's check) different values; the workers could only find it once they hold every bucket."""
+    problems = tied_conflicts(tied, state)
+    if problems:
+        raise ValueError(f"weights refused, nothing was changed: {'; '.join(problems)}")
 
 
 def _outcome(applied: ray.ObjectRef) -> str:

@@ -32,10 +32,11 @@ class WeightUpdates:
         self.group: dict[int, ActorHandle] = {}  # the workers of the current broadcast group
         self.current: WeightGroup | None = None  # where that group met
 
-    async def check(self, pool: WorkerPool, update: WeightUpdate) -> None:
+    async def check(self, pool: WorkerPool, update: WeightUpdate) -> list[list[str]]:
         """Raise before anything changes: ValueError naming the tensors the engines refuse (missing,
         unexpected, wrong shape or dtype), RuntimeError if a broadcast's group is not the workers' (a later one
-        replaced it) or no longer matches the workers."""
+        replaced it) or no longer matches the workers. Returns the groups of names the model ties into one
+        tensor, whose values only the sender can compare."""
         if update.transport == "broadcast" and self.group != pool.workers:
             raise RuntimeError("the workers changed since init_weight_sync() (one was lost or replaced); "
                                "call init_weight_sync() again before a broadcast update")
@@ -43,7 +44,7 @@ class WeightUpdates:
             raise RuntimeError("this broadcast group was replaced by a later init_weight_sync() (of this or another "
                                "process): the workers left it; update through the newest, or call "
                                "init_weight_sync() again")
-        await pool.call_any("check_weights", update.tensors)
+        return await pool.call_any("check_weights", update.tensors, update.transport == "checkpoint")
 
     async def apply(self, pool: WorkerPool, update: WeightUpdate) -> None:
         """Check `update`, then apply it on every live worker and keep it for replay. A worker lost meanwhile

@@ -1,6 +1,6 @@
 """The trainer's `WeightSync`, over a stand-in service (no Ray): `close` (which `rollout.shutdown` and a new
 `init_weight_sync` call) does not wait for an update in flight in another thread, which leaves the group as it
-ends; bad update arguments are refused before anything is sent."""
+ends; bad update arguments, and tied names given two values, are refused before anything is sent."""
 
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def stand_in_sync(check: Callable[[WeightUpdate], object], apply: Callable[[Weig
 def test_close_leaves_the_group_once_the_update_in_flight_ends(monkeypatch):
     applying, drained, closed = threading.Event(), threading.Event(), []
 
-    def get_result(ref: str) -> None:
+    def get_result(ref: str) -> list:
         if ref == "applied":  # the service's update: a "finish" drain waits for the samples started before it
             applying.set()
             assert drained.wait(30)
+        return []  # the check's: no names tied
 
     monkeypatch.setattr(weight_sync, "service_calls", lambda service: contextlib.nullcontext())
     monkeypatch.setattr(weight_sync, "get_result", get_result)
@@ -71,3 +72,21 @@ def test_bad_update_arguments_are_refused_before_anything_is_sent(monkeypatch, v
     with pytest.raises(ValueError, match=re.escape(message)):
         sync.update_weights({"w": torch.ones(4)}, version, mode)
     assert sent == []
+
+
+def test_names_of_one_tied_tensor_given_two_values_are_refused_before_anything_is_sent(monkeypatch):
+    """The service's check returns the names the engines tie into one tensor; their values are only here (the
+    workers would find them different once they held every bucket)."""
+    sent = []
+    monkeypatch.setattr(weight_sync, "service_calls", lambda service: contextlib.nullcontext())
+    monkeypatch.setattr(weight_sync, "get_result", lambda ref: ref)
+    monkeypatch.setattr(weight_sync, "broadcast", lambda group, tensor: sent.append(tensor.clone()))
+    sync = stand_in_sync(lambda update: [["embed.weight", "head.weight"]], lambda update: [], object())
+    embed = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="'embed.weight' and 'head.weight' are one tied tensor in this model, but "
+                                         "the update gives them different values"):
+        sync.update_weights({"embed.weight": embed, "head.weight": embed + 1}, 1)
+    assert sent == []
+    sync.update_weights({"embed.weight": embed, "head.weight": embed.clone()}, 1)
+    sync.update_weights({"embed.weight": embed, "head.weight": embed}, 2)
+    assert len(sent) == 2

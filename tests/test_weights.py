@@ -92,7 +92,10 @@ MIDDLE = "model.layers.1.self_attn.q_proj.weight"  # copy_ refuses a sparse sour
     (lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].to("meta")}), "'lm_head.weight' is a meta tensor"),
     (lambda sd: sd.update({MIDDLE: sd[MIDDLE].to_sparse()}), f"'{MIDDLE}' is a torch.sparse_coo tensor"),
     (wrapped, r"^weights refused, nothing was changed: the names carry 'module.', which a wrapper \(DDP"),
-], ids=["missing", "unexpected", "shape", "dtype", "meta", "sparse-midway", "wrapper-prefix"])
+    (lambda sd: sd.update({"model.norm.weight": None}), "entry 'model.norm.weight' is a NoneType, not a tensor"),
+    (lambda sd: sd.update({"model.norm.weight": "ones"}), "entry 'model.norm.weight' is a str, not a tensor"),
+    (lambda sd: sd.update({7: torch.zeros(1)}), "state dict key 7 is a int, not a str"),
+], ids=["missing", "unexpected", "shape", "dtype", "meta", "sparse-midway", "wrapper-prefix", "none", "str", "key"])
 def test_bad_state_dict_refused_and_nothing_changes(policies, break_it, match):
     old, new = policies
     prompt = random_prompts(1, 512, (12, 12), seed=51)[0]
@@ -264,7 +267,7 @@ def test_weights_copied_through_a_ctrl_c_are_all_copied(policies, monkeypatch):
         return copy(*args, **kwargs)
 
     dst.copy_ = interrupted_copy
-    monkeypatch.setattr(weight_swap, "check_weights", lambda model, source: pairs)
+    monkeypatch.setattr(weight_swap, "check_weights", lambda model, source, checkpoint: pairs)
     with pytest.raises(KeyboardInterrupt):
         engine.update_weights(new, version=4)
     assert engine.policy_version == 4

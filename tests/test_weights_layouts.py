@@ -1,12 +1,16 @@
 """Weight updates in a checkpoint's own layout, for every accepted family: the names and tensors that
-`save_pretrained` writes, which transformers converts when it loads them."""
+`save_pretrained` writes, which transformers converts when it loads them; what a checkpoint holds beside the
+model; the names given for one tied tensor."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from tests.conftest import make_engine
+from tests.conftest import hf_model, make_engine
 from tests.test_model_coverage import ACCEPTED
 from workers.engine.weights import load_source
 from workers.weight_format import checkpoint_tensors, meta_state
@@ -72,3 +76,38 @@ def test_one_tensor_under_two_names_is_refused_and_nothing_changes(zoo_dir, name
             check()
     assert engine.policy_version == 0
     torch.testing.assert_close(engine.state_dict(), before, rtol=0, atol=0)
+
+
+def test_a_checkpoint_directory_may_hold_tensors_the_model_lacks(zoo_dir, tmp_path):
+    """A value head saved beside the policy (TRL's): the engine is built from such a directory, as
+    `from_pretrained` ignores what the model lacks, and takes it as an update too, checked by its headers as the
+    service does; a state dict carrying it is refused, and so is such a directory lacking a name, naming both."""
+    new, short = tmp_path / "new", tmp_path / "short"
+    state = dict(load_source(zoo_dir("llama", seed=1)))
+    for path, drop in ((new, None), (short, "model.norm.weight")):
+        shutil.copytree(zoo_dir("llama", seed=1), path)
+        kept = {key: value for key, value in state.items() if key != drop}
+        save_file({**kept, "v_head.summary.weight": torch.zeros(1, 4)}, path / "model.safetensors")
+    engine = make_engine(zoo_dir("llama"))
+    engine.validate_weights(meta_state(checkpoint_tensors(new)), checkpoint=True)
+    engine.update_weights(str(new), version=1)
+    torch.testing.assert_close(engine.state_dict(), make_engine(str(new)).state_dict(), rtol=0, atol=0)
+    for refused in (lambda: engine.update_weights(dict(load_source(new)), version=2),
+                    lambda: engine.validate_weights(meta_state(checkpoint_tensors(new)))):
+        with pytest.raises(ValueError, match="unexpected 'v_head.summary.weight'"):
+            refused()
+    with pytest.raises(ValueError, match="missing 'model.norm.weight'; unexpected 'v_head.summary.weight'"):
+        engine.update_weights(str(short), version=2)
+    assert engine.policy_version == 1
+
+
+def test_the_check_names_the_names_given_for_one_tied_tensor(model_dir):
+    """The service's check returns them, so that a broadcast compares their values before sending: the tied
+    pair of a model with tied embeddings, in the names they were given in; none for an untied model."""
+    path = model_dir("qwen2", tie_word_embeddings=True)
+    tied = make_engine(path)
+    meta = {key: value.to("meta") for key, value in hf_model(path).state_dict().items()}
+    assert tied.validate_weights(meta) == [["model.embed_tokens.weight", "lm_head.weight"]]
+    bare = {key.removeprefix("model."): value for key, value in meta.items()}
+    assert tied.validate_weights(bare) == [["embed_tokens.weight", "lm_head.weight"]]
+    assert make_engine(model_dir("qwen2", tie_word_embeddings=False)).validate_weights(meta) == []

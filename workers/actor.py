@@ -91,9 +91,10 @@ class RolloutWorker:
         await asyncio.Event().wait()
 
     @ray.method(concurrency_group=CONTROL)
-    async def check_weights(self, tensors: list[TensorMeta]) -> None:
-        """Raise ValueError unless tensors of these names, shapes and dtypes would be accepted; changes nothing."""
-        await self.weights.check(tensors)
+    async def check_weights(self, tensors: list[TensorMeta], checkpoint: bool = False) -> list[list[str]]:
+        """Raise ValueError unless tensors of these names, shapes and dtypes (a checkpoint directory's, with
+        `checkpoint`) would be accepted; changes nothing. Returns the groups of names tied into one tensor."""
+        return await self.weights.check(tensors, checkpoint)
 
     @ray.method(concurrency_group=CONTROL)
     async def update_weights(self, update: WeightUpdate) -> int:

@@ -27,9 +27,11 @@ class WeightReceiver:
         self.group: dist.ProcessGroup | None = None
         self.device = torch.device("cpu")
 
-    async def check(self, tensors: list[TensorMeta]) -> None:
-        """Raise ValueError unless tensors of these names, shapes and dtypes would be accepted."""
-        await asyncio.wrap_future(self.loop.submit(self.loop.engine.validate_weights, meta_state(tensors)))
+    async def check(self, tensors: list[TensorMeta], checkpoint: bool) -> list[list[str]]:
+        """Raise ValueError unless tensors of these names, shapes and dtypes (a checkpoint directory's, with
+        `checkpoint`) would be accepted; the groups of their names the model ties into one tensor."""
+        validate = self.loop.engine.validate_weights
+        return await asyncio.wrap_future(self.loop.submit(validate, meta_state(tensors), checkpoint))
 
     async def apply(self, update: WeightUpdate) -> None:
         """Fetch or receive the update's weights, then swap them in between two engine steps."""

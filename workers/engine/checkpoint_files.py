@@ -1,6 +1,6 @@
-"""What the engine accepts as weights, as rules the trainer side checks too (workers/weight_format.py, which
-imports them from here, the engine being the lower layer): plain dense tensors, and checkpoint files that read
-whole and name each tensor once."""
+"""What the engine accepts as weights, as rules the trainer side checks too (workers/weight_format.py and
+rollout/weight_sync.py import them from here, the engine being the lower layer): plain dense tensors, checkpoint
+files that read whole and name each tensor once, and one value for the names of one tied tensor."""
 
 from __future__ import annotations
 
@@ -57,3 +57,34 @@ def read_checkpoint_file(file: Path, read: Callable[[Path], T]) -> T:
     except (SafetensorError, OSError) as err:
         raise ValueError(f"weights refused, nothing was changed: checkpoint file {str(file)!r} cannot be read "
                          f"({err})") from err
+
+
+def storage(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live: tied parameters (an LM head sharing the embedding, left out of
+    checkpoints) have the same, and are updated through whichever name is given."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, bit for bit (two copies of weights holding NaN are the same)."""
+    if a.dtype.is_floating_point and a.dtype == b.dtype:
+        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
+
+
+def tied_conflicts(groups: Iterable[list[str]], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """A problem for each name of a group that a model ties into one tensor which `state` gives another value
+    than the group's first name it holds (a trainer's untied copy of a tied model: one value would silently
+    win). Names `state` lacks, and tensors without values ("meta"), are passed over."""
+    problems = []
+    for group in groups:
+        given = [name for name in group if name in state]
+        for name in given[1:]:
+            a, b = state[given[0]], state[name]
+            if a.is_meta or b.is_meta or storage(a) == storage(b):
+                continue
+            if not same_bits(a, b.to(a.device)):
+                problems.append(f"{given[0]!r} and {name!r} are one tied tensor in this model, but the update "
+                                "gives them different values")
+    return problems

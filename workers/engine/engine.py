@@ -140,10 +140,11 @@ class Engine:
         `on_rows`, hands them to it as they end and returns []."""
         return swap_weights(self, source, version, mode, on_rows)
 
-    def validate_weights(self, source: WeightSource) -> None:
+    def validate_weights(self, source: WeightSource, checkpoint: bool = False) -> list[list[str]]:
         """Raise the ValueError `update_weights` would (names, shapes, dtypes); copies nothing. Tensors on
-        the "meta" device are enough."""
-        validate_source(self.runner.model, source)
+        the "meta" device are enough (with `checkpoint`, standing for a checkpoint directory's). Returns the
+        groups of given names the model ties into one tensor: a sender checks they carry one value."""
+        return validate_source(self.runner.model, source, checkpoint)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's current weights by name (the parameters themselves, not copies)."""

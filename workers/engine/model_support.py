@@ -19,12 +19,12 @@ import transformers
 
 from rollout.config import EngineConfig
 from workers.engine.attention import AttentionBackend, set_backend
+from workers.engine.checkpoint_files import storage
 from workers.engine.kv_cache import KvCache, KvLayout
 from workers.engine.latent import install_latent_attention
 from workers.engine.longrope import install_per_sequence_longrope
 from workers.engine.recurrent import Mixers
 from workers.engine.rope_cache import cache_rope_init, freeze_dynamic_rope
-from workers.engine.weights import storage
 
 _SLIDING_MASK = "create_sliding_window_causal_mask"  # transformers' masking_utils, as modeling modules import it
 # Model types verified exact in tests/test_model_coverage.py.

@@ -8,12 +8,12 @@ prompts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
 from rollout.params import WeightSource, check_update
-from workers.engine.weights import check_weights, copy_weights, load_source
+from workers.engine.weights import check_weights, copy_weights, load_source, tied_sources
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine
@@ -32,7 +32,7 @@ def swap_weights(engine: Engine, source: WeightSource, version: int, mode: str =
     queued and run on the new weights, and so does a prompt still in prefill, computed again.
     """
     version = check_update(version, mode)
-    pairs = check_weights(engine.runner.model, load_source(source))
+    pairs = check_weights(engine.runner.model, load_source(source), checkpoint=not isinstance(source, Mapping))
     rows: list[dict] = []
     emit = on_rows or rows.extend
     try:
@@ -61,7 +61,10 @@ def _drain(engine: Engine, emit: Rows) -> None:
             emit(engine.step())
 
 
-def validate_source(model: torch.nn.Module, source: WeightSource) -> None:
+def validate_source(model: torch.nn.Module, source: WeightSource, checkpoint: bool = False) -> list[list[str]]:
     """Raise the ValueError `swap_weights` would (names, shapes, dtypes); copies nothing. Tensors on the
-    "meta" device are enough."""
-    check_weights(model, load_source(source), values=False)
+    "meta" device are enough; with `checkpoint` they stand for a checkpoint directory's. Returns the groups of
+    given names that the model ties into one tensor, whose values only the sender can compare."""
+    state = load_source(source)
+    check_weights(model, state, values=False, checkpoint=checkpoint or not isinstance(source, Mapping))
+    return tied_sources(model, state)

@@ -13,7 +13,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from rollout.params import WeightSource
-from workers.engine.checkpoint_files import not_plain, read_checkpoint
+from workers.engine.checkpoint_files import not_plain, read_checkpoint, storage, tied_conflicts
 
 
 def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
@@ -22,16 +22,15 @@ def load_source(source: WeightSource) -> Mapping[str, torch.Tensor]:
 
 
 def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
-                   state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    """`state` with the names and layout of the model's own state dict `targets`. Checkpoints keep a family's
-    original layout, which transformers converts when it loads them (GPT-NeoX's `embed_out` is `lm_head`, MoE
-    experts are fused into one tensor per layer); the same conversions apply here. Names the model has stay
-    as given."""
-    if all(name in targets for name in state):
-        return state
-    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
+                   state: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+    """`state` with the names and layout of the model's own state dict `targets`, and the name each was given
+    as. Checkpoints keep a family's original layout, which transformers converts when it loads them
+    (GPT-NeoX's `embed_out` is `lm_head`, MoE experts are fused into one tensor per layer); the same conversions
+    apply here. Names the model has stay as given."""
+    conversions = [] if all(name in targets for name in state) else (
+        getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model))
     if not conversions:
-        return state
+        return state, {name: name for name in state}
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
@@ -40,7 +39,6 @@ def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
     pending: dict[str, WeightConverter] = {}
     sources: dict[str, list[str]] = {}
     for name, tensor in sorted(state.items(), key=lambda item: dot_natural_key(item[0])):
-        tensor = _tensor(tensor)
         new, pattern = (name, None) if name in targets else rename_source_key(
             name, renamings, converters, getattr(model, "base_model_prefix", None), targets)
         if pattern is None:
@@ -54,7 +52,7 @@ def to_model_names(model: torch.nn.Module, targets: Mapping[str, torch.Tensor],
         names = sources[first]
         source = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
         out.update({_claim(given, target, source): value for target, value in made.items()})
-    return out
+    return out, given
 
 
 def _claim(given: dict[str, str], target: str, source: str) -> str:
@@ -79,28 +77,43 @@ def _convert(model: torch.nn.Module, first: str, converter: WeightConverter) -> 
     return {name: value[0] if isinstance(value, list) else value for name, value in made.items()}
 
 
-def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
-                  values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], values: bool = True,
+                  checkpoint: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs for every entry of the model's state dict, the source given in the model's
     names or its checkpoint's; ValueError listing every missing or unexpected name and every shape or dtype
     mismatch (and, with `values`, every tensor on the "meta" device, which has none), before anything is
     copied. Names the model lacks that transformers ignores on load (Qwen3.5's vision tower and
-    multi-token-prediction head, for its text-only causal LM) are ignored here too."""
+    multi-token-prediction head, for its text-only causal LM) are ignored here too; with `checkpoint` (the
+    tensors of a checkpoint directory) every name it lacks is, as `from_pretrained` ignores a value head saved
+    beside the model, unless something else is refused."""
     targets = model.state_dict()
-    state = to_model_names(model, targets, state)
+    state, _ = to_model_names(model, targets, _entries(state))
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     state = {name: tensor for name, tensor in state.items()
              if name in targets or not any(p.search(name) for p in ignored)}
     given = {storage(dst) for name, dst in targets.items() if name in state}
-    problems = [f"missing {name!r}" for name, dst in targets.items() if storage(dst) not in given]
+    missing = [f"missing {name!r}" for name, dst in targets.items() if storage(dst) not in given]
     unexpected = [name for name in state if name not in targets]
-    problems = _wrapper_hint(targets, unexpected) + problems + [f"unexpected {name!r}" for name in unexpected]
+    mismatched = _mismatches(targets, state, values)
+    problems = missing + mismatched
+    if unexpected and (problems or not checkpoint):
+        problems = _wrapper_hint(targets, unexpected) + missing + [f"unexpected {name!r}" for name in unexpected]
+        problems += mismatched
+    problems += [] if problems else tied_conflicts(tied_groups(targets, state), state)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ValueError(f"weights refused, nothing was changed: {shown}")
+    return [(dst, state[name]) for name, dst in targets.items() if name in state]
+
+
+def _mismatches(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], values: bool) -> list[str]:
+    """A problem for each given tensor of another shape or dtype than the model's, or not plain, or (with
+    `values`) without values."""
+    problems = []
     for name, dst in targets.items():
         src = state.get(name)
         if src is None:
             continue
-        if not isinstance(src, torch.Tensor):
-            src = _tensor(src)
         if tuple(src.shape) != tuple(dst.shape):
             problems.append(f"{name!r} has shape {tuple(src.shape)}, the model's is {tuple(dst.shape)}")
         elif src.dtype != dst.dtype:
@@ -109,11 +122,25 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor],
             problems.append(f"{name!r} is {not_plain(src)}")
         elif values and src.is_meta:
             problems.append(f"{name!r} is a meta tensor: it has no values")
-    problems += [] if problems else _tied_conflicts(targets, state)
-    if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ValueError(f"weights refused, nothing was changed: {shown}")
-    return [(dst, _tensor(state[name])) for name, dst in targets.items() if name in state]
+    return problems
+
+
+def tied_sources(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names of `state`, as given, that `model` ties into one tensor (two or more of a group given): a
+    sender must give them one value, which `tied_conflicts` checks where the values are."""
+    targets = model.state_dict()
+    converted, given = to_model_names(model, targets, _entries(state))
+    return [[given[name] for name in group] for group in tied_groups(targets, converted)]
+
+
+def tied_groups(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names of `state` (the model's names) that are one tensor in the model's state dict `targets`, for
+    each tensor given under two names or more."""
+    groups: dict[tuple, list[str]] = {}
+    for name, dst in targets.items():
+        if name in state:
+            groups.setdefault(storage(dst), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 # Name components that wrappers add to a model's state dict: DDP's, torch.compile's, FSDP's, checkpointing's.
@@ -134,43 +161,27 @@ def _wrapper_hint(targets: Mapping[str, torch.Tensor], unexpected: list[str]) ->
             "torch.compile) adds: send the unwrapped model's state dict (e.g. model.module.state_dict())"]
 
 
+def _entries(state: Mapping) -> dict[str, torch.Tensor]:
+    """`state` with every value a tensor; ValueError naming a key that is not a str, or a value that is no
+    tensor and no array."""
+    entries = {}
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise ValueError(f"weights refused, nothing was changed: state dict key {name!r} is a "
+                             f"{type(name).__name__}, not a str")
+        try:
+            entries[name] = _tensor(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"weights refused, nothing was changed: state dict entry {name!r} is a "
+                             f"{type(value).__name__}, not a tensor") from err
+    return entries
+
+
 def _tensor(value) -> torch.Tensor:
     """`value` as a tensor; a numpy array with negative strides (np.flip's), which torch cannot view, copied."""
     if isinstance(value, np.ndarray) and min(value.strides, default=0) < 0:
         value = np.ascontiguousarray(value)
     return torch.as_tensor(value)
-
-
-def _tied_conflicts(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names given different values for one tied tensor (a trainer's untied copy of a tied model): one
-    value would silently win over the other."""
-    first: dict[tuple, str] = {}
-    problems = []
-    for name, dst in targets.items():
-        if name not in state:
-            continue
-        other = first.setdefault(storage(dst), name)
-        a, b = _tensor(state[other]), _tensor(state[name])
-        if other == name or a.is_meta or b.is_meta:  # names, shapes and dtypes only: values come later
-            continue
-        if storage(a) != storage(b) and not _same_bits(a, b.to(a.device)):  # (a tied source: one tensor)
-            problems.append(f"{other!r} and {name!r} are one tied tensor in this model, but the update gives "
-                            "them different values")
-    return problems
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal element for element, bit for bit (two copies of weights holding NaN are the same)."""
-    if a.dtype.is_floating_point and a.dtype == b.dtype:
-        as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(as_int), b.view(as_int))
-    return torch.equal(a, b)
-
-
-def storage(tensor: torch.Tensor) -> tuple:
-    """Where a tensor's values live: tied parameters (an LM head sharing the embedding, left out of
-    checkpoints) have the same, and are updated through whichever name is given."""
-    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
 
 
 @torch.no_grad()
