@@ -261,7 +261,7 @@ def test_a_new_broadcast_group_closes_the_old_one(client, policies, states, monk
         first.update_weights(states[policies[0]], next(_versions), mode="continue")
     with pytest.raises(ValueError, match="backend 'nccl' needs CUDA engines"):
         rollout.init_weight_sync(backend="nccl")  # refused: the group it would replace goes on
-    for option, value in [("port", -1), ("port", "x"), ("timeout_s", 0), ("host", "1.2.3.4")]:
+    for option, value in [("port", -1), ("port", "x"), ("timeout_s", 0), ("timeout_s", 1e14), ("host", "1.2.3.4")]:
         with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
             rollout.init_weight_sync(**{option: value})
     with socket.create_server(("127.0.0.1", 0)) as busy:  # another listener's port: refused before closing `second`

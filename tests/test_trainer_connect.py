@@ -132,10 +132,11 @@ def test_a_service_whose_worker_died_while_loading_raises_that_death(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_a_service_reached_without_a_time_limit(cluster):
-    """`timeout_s=math.inf` waits for good (it overflowed Ray's wait)."""
+@pytest.mark.parametrize("timeout_s", [math.inf, 1e16])
+def test_a_service_reached_without_a_time_limit(cluster, timeout_s):
+    """`timeout_s=math.inf`, or one too long for Ray's millisecond wait, waits for good (they overflowed it)."""
     actor = Ready.options(name="ready", namespace=NAMESPACE).remote()
-    client = RolloutClient.connect(name="ready", namespace=NAMESPACE, timeout_s=math.inf)
+    client = RolloutClient.connect(name="ready", namespace=NAMESPACE, timeout_s=timeout_s)
     assert ray.get(client.service.ready.remote()) == 2
     ray.kill(actor)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -15,6 +14,7 @@ from rollout.service_lost import reached, service_calls
 from rollout.stream import RolloutStream, open_stream, sampling_params
 from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
+FOREVER_S = 1e9  # a wait this long (about 31 years) or longer has no limit: Ray's wait overflows from about 9.2e15 s
 
 class RolloutClient:
     """Samples from a running service (e.g. started by `rollout serve`) and updates its weights exactly like
@@ -89,7 +89,7 @@ def _wait_ready(service: ActorHandle, deadline: float) -> str | None:
     ref = service.ready.remote()
     try:
         left = max(deadline - time.monotonic(), 1.0)
-        done, _ = ray.wait([ref], timeout=None if math.isinf(left) else left)
+        done, _ = ray.wait([ref], timeout=left if left < FOREVER_S else None)
         if not done:
             return "is not ready (its engines are still loading, or it is restarting)"
         get_result(ref)

@@ -5,7 +5,6 @@ the address given, never all interfaces. Ray-free."""
 
 from __future__ import annotations
 
-import math
 import socket
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from workers.messages import BACKENDS
 
+MAX_TIMEOUT_S = 1e9  # about 31 years; torch takes a store's timeout as a timedelta, which overflows above 8.6e13 s
 
 def check_group_options(host: str | None, port: int, timeout_s: float) -> None:
     """ValueError naming the first bad option of a group rank 0 would host: a port outside [0, 65535], a timeout
@@ -21,8 +21,8 @@ def check_group_options(host: str | None, port: int, timeout_s: float) -> None:
     port there, so that a refused group leaves the one it would replace alone)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r} must be an int in [0, 65535] (0 picks a free port)")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s={timeout_s!r} must be a positive, finite number of seconds")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}")
     if host is None:
         return
     if not isinstance(host, str) or not host:
