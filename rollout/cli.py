@@ -102,7 +102,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     check_out(args.out)
     sampling_params(args.n, sampling_flags(args))  # bad flags fail before the model is built or Ray starts
-    check_n(args.n, load_service_config(LOCAL_CONFIG))
+    check_n(args.n, load_service_config(LOCAL_CONFIG), "the demo's engines are fixed; `rollout sample` takes --set "
+            "max_num_seqs=N")
     print("rollout demo: a tiny model with RANDOM weights, so the completions are gibberish.")
     table = _run(DEMO_PROMPTS, args, LOCAL_CONFIG, model=demo_model(), num_workers=2)
     for row in table.slice(0, 2).to_pylist():

@@ -87,12 +87,12 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def check_n(n: int, config: ServiceConfig) -> None:
+def check_n(n: int, config: ServiceConfig, raise_it: str = "raise it with --set max_num_seqs=N") -> None:
     """Refuse --n above the engines' `max_num_seqs` now: a prompt's samples run together on one engine, which
-    would refuse them only once Ray and the engines had started."""
+    would refuse them only once Ray and the engines had started. `raise_it` says how, where the command can."""
     if n > config.engine.max_num_seqs:
         raise ValueError(f"--n {n} exceeds max_num_seqs={config.engine.max_num_seqs}: a prompt's samples run "
-                         "together on one engine (raise it with --set max_num_seqs=N)")
+                         f"together on one engine ({raise_it})")
 
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ authentication with a token of its own."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
@@ -41,7 +42,8 @@ def start_local_ray(config: ServiceConfig) -> None:
                    object_store_memory=int(config.object_store_memory_gib * 2**30), _temp_dir=_private_temp_dir())
 
     def start() -> None:
-        ray.init(**options)
+        with _no_failure_signal_handler():
+            ray.init(**options)
         _started.append(connection())
 
     _in_lasting_thread(start)
@@ -73,6 +75,19 @@ def _in_lasting_thread(start: Callable[[], object]) -> None:
         quiet.removeFilter(_not_the_sigterm_warning)
     if errors:
         raise errors[0]
+
+
+@contextlib.contextmanager
+def _no_failure_signal_handler() -> Iterator[None]:
+    """Keep Ray's C++ failure-signal handler out of this process while `ray.init` starts its core worker: it
+    took SIGTERM from `signals_held`'s handler (a SIGTERM then printed a stack dump and aborted) and SIGSEGV from
+    Python's faulthandler. Ray's own processes keep theirs."""
+    saved = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", False)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    try:
+        yield
+    finally:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = saved
 
 
 def _not_the_sigterm_warning(record: logging.LogRecord) -> bool:
@@ -138,6 +153,9 @@ def join_cluster(address: str, namespace: str) -> None:
         if not address:
             raise ConnectionError("no Ray cluster to join: RAY_ADDRESS is unset and no head node was started on "
                                   "this machine with `ray start --head`; pass its address (HOST:PORT)")
+    if address.startswith("ray://"):
+        raise ValueError(f"address {address!r} is a Ray Client address, whose connections cannot carry the service's "
+                         "streams: run this on a node of the cluster and join it as a driver (HOST:PORT or 'auto')")
     try:
         resolved = services.get_ray_address_from_environment(address, None)
         host, port = parse_address(resolved) if resolved not in (None, "auto", "local") else (None, None)
@@ -147,7 +165,8 @@ def join_cluster(address: str, namespace: str) -> None:
         _loopback_only()
     if host and str(port).isdigit():
         _check_listening(address, host, int(port))
-    ray.init(address=address, namespace=namespace)
+    with _no_failure_signal_handler():
+        ray.init(address=address, namespace=namespace)
 
 
 def _check_listening(address: str, host: str, port: int) -> None:

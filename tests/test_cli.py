@@ -143,6 +143,18 @@ def test_the_dashboards_address_exits_with_a_message(command, monkeypatch, capsy
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("command", ["serve", "stop"])
+@pytest.mark.parametrize("given", ["flag", "RAY_ADDRESS"])
+def test_a_ray_client_address_exits_with_a_message(command, given, monkeypatch, capsys):
+    """Ray Client connections cannot carry the service's streams; Ray tried to connect for 30 s first."""
+    monkeypatch.setattr(local_ray.ray, "init", lambda **kwargs: pytest.fail(f"ray.init({kwargs})"))
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:10001")
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *(["--address", "ray://127.0.0.1:10001"] if given == "flag" else [])])
+    assert exit_info.value.code == 2
+    assert "error: address 'ray://127.0.0.1:10001' is a Ray Client address" in capsys.readouterr().err
+
+
 def test_an_unwritable_out_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys):
     (tmp_path / "good.jsonl").write_text('"ok"\n')
     monkeypatch.setattr("rollout.init", lambda *a, **k: pytest.fail("sampled before checking --out"))

@@ -76,6 +76,8 @@ def test_help(command, capsys):
     *[(command, ["--n", "0"], "n=0") for command in ("demo", "sample")],
     *[(command, ["--n", "257"], "--n 257 exceeds max_num_seqs=256") for command in ("demo", "sample")],
     ("sample", ["--n", "5", "--set", "max_num_seqs=4"], "max_num_seqs=4"),
+    ("sample", ["--n", "257"], "(raise it with --set max_num_seqs=N)"),
+    ("demo", ["--n", "257"], "(the demo's engines are fixed; `rollout sample` takes --set max_num_seqs=N)"),
 ])
 def test_flags_are_checked_before_building_or_starting_anything(command, flags, named, tmp_path, recorded,
                                                                 monkeypatch, capsys):

@@ -1,4 +1,5 @@
-"""What the embedded Ray leaves behind when its process exits without `rollout.shutdown()`."""
+"""What the embedded Ray leaves behind when its process exits without `rollout.shutdown()`, or is sent SIGTERM
+while Ray starts."""
 
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ START_AND_EXIT = textwrap.dedent("""
 """)
 
 
+TERM_WHILE_CONNECTING = textwrap.dedent("""
+    import os, signal, sys
+    import ray._private.worker as worker
+    connect = worker.connect
+    def connect_then_term(*args, **kwargs):  # the driver's core worker is up, ray.init not yet returned
+        connect(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+    worker.connect = connect_then_term
+    from rollout import local_ray
+    from rollout.config import load_service_config
+    local_ray.start_local_ray(load_service_config(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3))
+    print("SIGTERM did not end the process", flush=True)
+""")
+
+
 @pytest.fixture
 def short_tmp():
     """A fresh directory with a short path (Ray's socket paths under it must stay within 107 bytes)."""
@@ -39,3 +55,13 @@ def test_a_process_that_exits_without_shutdown_leaves_no_session_directory(model
     private = Path(done.stdout.split()[-1])
     assert private.parent == short_tmp and private.name.startswith("rollout-ray-")
     assert not private.exists(), sorted(p.name for p in private.rglob("*"))[:10]
+
+
+def test_a_sigterm_while_ray_connects_exits_as_sigterm_does_and_leaves_nothing(model_dir, short_tmp):
+    """Ray's C++ failure-signal handler, installed in this process as its core worker starts, took SIGTERM from
+    Python's: a SIGTERM then printed Ray's stack dump and aborted (status 134), leaving Ray's session behind."""
+    done = subprocess.run([sys.executable, "-c", TERM_WHILE_CONNECTING, model_dir("qwen3")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    assert done.returncode == 15, done.stderr[-2000:]
+    assert "SIGTERM received" not in done.stderr and "did not end" not in done.stdout
+    assert list(short_tmp.iterdir()) == []
