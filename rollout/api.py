@@ -43,6 +43,9 @@ def init(config: str | Path | ServiceConfig = LOCAL_CONFIG, **overrides: Any) ->
                 raise ValueError(f"engine.model={config.engine.model!r} is not a model directory (no config.json); "
                                  "pass rollout.init(model=DIR) (`--model DIR` on the command line), or run "
                                  "`rollout demo` once to build the tiny default")
+            if config.placement_strategy == "STRICT_SPREAD" and (config.num_workers or 1) > 1:
+                raise ValueError(f"placement_strategy='STRICT_SPREAD' puts each of num_workers={config.num_workers} "
+                                 "workers on a node of its own; the embedded local Ray is one node")
             _owns_ray = True
         try:
             if _owns_ray:

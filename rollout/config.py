@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 WINDOWED_KV = ("auto", "window", "full")
+MAX_BLOCKS = 2**31 - 1
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 
 T = TypeVar("T")
@@ -92,6 +93,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("windowed_kv", self.windowed_kv, WINDOWED_KV)
         _bound(self, ">=", 1, "block_size", "num_blocks", "max_batch_tokens", "max_num_seqs")
+        if self.num_blocks is not None and self.num_blocks > MAX_BLOCKS:
+            raise ValueError(f"EngineConfig.num_blocks={self.num_blocks!r} must be <= {MAX_BLOCKS}: block tables hold "
+                             "int32 block ids")
         _bound(self, ">=", 2, "max_model_len")  # a prompt token and a generated one
         _bound(self, ">=", 0, "cpu_offload_gib")
         _bound(self, ">", 0, "gpu_memory_utilization", "kv_cache_memory_gib")
@@ -189,8 +193,10 @@ def _check_cuda_graphs(config: EngineConfig) -> None:
 
 def _check_device_index(device: str) -> None:
     """ValueError unless a device index (`cuda:1`) is an integer torch reads: torch refuses `cuda:`, `cuda:-1`,
-    `cuda:01` or `cuda:0:1` only once the engine starts."""
-    _, colon, index = device.partition(":")
+    `cuda:01` or `cuda:0:1` only once the engine starts; the CPU takes none (torch runs `cpu:1` on the CPU)."""
+    kind, colon, index = device.partition(":")
+    if colon and kind == "cpu":
+        raise ValueError(f"EngineConfig.device={device!r}: the CPU takes no index; use 'cpu'")
     if colon and not (index.isascii() and index.isdigit() and str(int(index)) == index):
         raise ValueError(f"EngineConfig.device={device!r}: the index after ':' must be an integer >= 0 "
                          "without leading zeros, as in 'cuda:1'")

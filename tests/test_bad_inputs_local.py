@@ -42,7 +42,8 @@ BAD_ENGINE_CONFIG = {
     "unknown choice": (st.sampled_from(["dtype", "device", "attention_backend"]),
                        words.filter(lambda w: w not in (*DTYPES, "cpu", "cuda", *ATTENTION_BACKENDS))),
     "device index not an integer": (st.just("device"), st.sampled_from(["cuda:", "cuda:x", "cuda:-1", "cuda:01",
-                                                                         "cuda:0:1", "cuda:1.0", "cpu:"])),
+                                                                         "cuda:0:1", "cuda:1.0", "cpu:", "cpu:1"])),
+    "block ids beyond int32": (st.just("num_blocks"), st.integers(min_value=2**31, max_value=2**62)),
     "flag not a bool": (st.sampled_from(["trust_remote_code", "enable_prefix_caching"]), st.integers() | st.none()),
     "model path not a string": (st.just("model"), st.integers() | st.none() | st.lists(st.text(), max_size=1)),
     "graph flags not a (varlen, decode) pair of bools": (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import transformers
 from rollout import SamplingParams
 from rollout.config import EngineConfig
 from tests.conftest import ON_GPU, make_engine, run
-from workers.engine import memory
+from workers.engine import memory, offload
 from workers.engine.kv_cache import KvCache
 from workers.engine.offload import CpuPool
 
@@ -21,6 +22,17 @@ GIB = 2**30
 def test_explicit_num_blocks_wins(model_dir):
     engine = make_engine(model_dir(), num_blocks=37, kv_cache_memory_gib=1.0)
     assert engine.pool.num_blocks == 37 and engine.runner.kv_cache.num_blocks == 37
+
+
+def test_a_set_num_blocks_beyond_free_memory_is_refused_naming_it(model_dir, monkeypatch):
+    """The allocator's error named no setting (num_blocks=2**40: 'tried to allocate 9007199254740992 bytes')."""
+    engine = make_engine(model_dir(), num_blocks=37)
+    needed = 37 * engine.runner.bytes_per_block
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: needed - 1)
+    with pytest.raises(ValueError, match=r"EngineConfig.num_blocks=37 needs a KV cache of .* GiB; the cpu has"):
+        make_engine(model_dir(), num_blocks=37)
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: needed)
+    assert make_engine(model_dir(), num_blocks=37).pool.num_blocks == 37
 
 
 def test_automatic_size_stays_within_the_budget(model_dir):
@@ -201,3 +213,12 @@ def test_start_up_is_logged_by_phase(model_dir, caplog, cuda_graphs, offload_gib
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine start-up")]
     assert line.startswith(f"engine start-up: {sum(startup.values()):.2f} s (load ")
     assert all(f"{name} {seconds:.2f} s" in line for name, seconds in startup.items())
+
+
+@pytest.mark.parametrize("gib", [64.0, 1e300])
+def test_a_cpu_pool_beyond_the_safe_share_of_ram_is_capped_with_a_warning(gib, monkeypatch):
+    """Named in a warning, however large (1e300 GiB overflowed `int` before the cap)."""
+    monkeypatch.setattr(offload, "available_ram_bytes", lambda: 16 * GIB)
+    with pytest.warns(UserWarning, match=re.escape(f"cpu_offload_gib={gib} exceeds")):
+        assert offload.cpu_pool_bytes(gib) == int(16 * GIB * offload.SAFE_RAM_FRACTION)
+    assert offload.cpu_pool_bytes(1.5) == int(1.5 * GIB)

@@ -51,6 +51,8 @@ def test_bad_files(tmp_path, model):
         rollout.init(bad)
     with pytest.raises(ValueError, match="is not a model directory"):
         rollout.init(model=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="STRICT_SPREAD' puts each of num_workers=2 workers on a node of its own"):
+        rollout.init(model=model, num_workers=2, placement_strategy="STRICT_SPREAD")  # waited out the placement
     assert not ray.is_initialized()
 
 

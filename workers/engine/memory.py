@@ -93,6 +93,16 @@ def num_cache_blocks(config: EngineConfig, budget: int, bytes_per_block: int, ma
     return min(blocks, per_seq * config.max_num_seqs)
 
 
+def check_set_cache(num_blocks: int, nbytes: int, device: torch.device) -> None:
+    """ValueError naming `num_blocks`, as set, when its cache of `nbytes` exceeds the memory free on `device`
+    now: the allocator's own error names no setting, and on the CPU a cache of untouched pages would be
+    allocated, then killed for memory once filled."""
+    free = available_ram_bytes() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+    if nbytes > free:
+        raise ValueError(f"EngineConfig.num_blocks={num_blocks} needs a KV cache of {nbytes / 2**30:.2f} GiB; the "
+                         f"{device.type} has {free / 2**30:.2f} GiB free (unset, num_blocks fits the memory)")
+
+
 def log_cache(num_blocks: int, block_size: int, bytes_per_block: int, sized: bool) -> None:
     """Say once how big the KV cache is, in blocks, tokens and GiB."""
     how = "sized automatically" if sized else "num_blocks as configured"

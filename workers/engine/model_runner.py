@@ -147,6 +147,8 @@ class ModelRunner:
         sized = self.config.num_blocks is None
         num_blocks = self.config.num_blocks
         budget = self._kv_budget() if sized else num_blocks * self.bytes_per_block
+        if not sized:
+            memory.check_set_cache(num_blocks, budget, self.device)
         budget -= self._add_rings(budget)
         if sized:
             try:

@@ -29,13 +29,12 @@ STATE_SHARE = 0.5  # of the pool, at most, for recurrent-state slots (one per of
 
 def cpu_pool_bytes(gib: float) -> int:
     """`gib` GiB in bytes, capped at a safe fraction of available RAM (with a warning)."""
-    want = int(gib * 2**30)
     cap = int(available_ram_bytes() * SAFE_RAM_FRACTION)
-    if want > cap:
+    if gib * 2**30 > cap:  # compared as floats: a huge finite `gib` overflows int()
         warnings.warn(f"cpu_offload_gib={gib} exceeds {SAFE_RAM_FRACTION:.0%} of available RAM; "
                       f"the CPU pool gets at most {cap / 2**30:.2f} GiB", stacklevel=3)
-        want = cap
-    return want
+        return cap
+    return int(gib * 2**30)
 
 
 def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
