@@ -99,7 +99,7 @@ def check_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], val
     if unexpected and (problems or not checkpoint):
         problems = _wrapper_hint(targets, unexpected) + missing + [f"unexpected {name!r}" for name in unexpected]
         problems += mismatched
-    problems += [] if problems else tied_conflicts(tied_groups(targets, state), state)
+    problems += [] if problems else tied_conflicts(_tied_groups(targets, state), state)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ValueError(f"weights refused, nothing was changed: {shown}")
@@ -130,10 +130,10 @@ def tied_sources(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> l
     sender must give them one value, which `tied_conflicts` checks where the values are."""
     targets = model.state_dict()
     converted, given = to_model_names(model, targets, _entries(state))
-    return [[given[name] for name in group] for group in tied_groups(targets, converted)]
+    return [[given[name] for name in group] for group in _tied_groups(targets, converted)]
 
 
-def tied_groups(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+def _tied_groups(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """The names of `state` (the model's names) that are one tensor in the model's state dict `targets`, for
     each tensor given under two names or more."""
     groups: dict[tuple, list[str]] = {}
