@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,16 @@ def shutdown() -> None:
         if _owns_ray:
             stop_local_ray()
             _owns_ray = False
+
+
+def _shutdown_at_exit() -> None:
+    """At exit without `shutdown` (a script that never called it, or raised before it): shut down as `shutdown`
+    does, so that threads still calling the service (a trainer's prefetching) are refused before Ray stops; one
+    calling Ray after it had stopped made Ray's C++ end the process before the session directory was removed.
+    It runs before `local_ray`'s exit hook, registered when that module was imported, which then has nothing
+    to do."""
+    if _service is not None or _owns_ray:
+        shutdown()
+
+
+atexit.register(_shutdown_at_exit)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import ray
 from ray._common.network_utils import is_localhost, parse_address
-from ray._private import ray_constants, services
+from ray._private import auto_init_hook, ray_constants, services
 from ray._private.utils import get_ray_address_file
 from ray._raylet import AuthenticationTokenLoader, Config
 from ray.actor import ActorHandle
@@ -135,8 +135,10 @@ def _restore_callers_settings() -> None:
 def _stop_at_exit() -> None:
     """At exit without `stop_local_ray` (a script that never called rollout.shutdown(), or raised before it),
     stop the local Ray and remove its session directories, which would otherwise stay in /tmp for good. It
-    runs before Ray's own exit hook (registered earlier, when Ray was imported), which then has nothing to do."""
+    runs before Ray's own exit hook (registered earlier, when Ray was imported), which then has nothing to do.
+    A Ray call after it (a thread still reading a stream) then fails rather than start a Ray of Ray's own."""
     if _private_dirs:
+        auto_init_hook.enable_auto_connect = False
         stop_local_ray()
 
 

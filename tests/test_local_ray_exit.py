@@ -38,6 +38,39 @@ TERM_WHILE_CONNECTING = textwrap.dedent("""
 """)
 
 
+CALL_AFTER_EXIT_HOOK = textwrap.dedent("""
+    import atexit, sys
+    import ray
+    def late_call():  # runs after rollout's exit hook, as a thread still reading a stream does
+        try:
+            ray.put(1)
+            print("a Ray was started at exit", flush=True)
+        except Exception as err:
+            print("refused:", type(err).__name__, flush=True)
+    atexit.register(late_call)
+    from rollout import local_ray
+    from rollout.config import load_service_config
+    local_ray.start_local_ray(load_service_config(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3))
+""")
+
+
+EXIT_WHILE_A_THREAD_READS = textwrap.dedent("""
+    import sys, threading
+    import rollout
+    rollout.init(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3, flush_rows=1)
+    reading = threading.Semaphore(0)
+    def read():  # a trainer's prefetching thread: call after call
+        while True:
+            for batch in rollout.sample([[5, 6, 7]] * 4, n=4, max_new_tokens=5):
+                reading.release()
+    for _ in range(4):
+        threading.Thread(target=read, daemon=True).start()
+    for _ in range(40):
+        reading.acquire(timeout=60)
+    print("the script ends without rollout.shutdown()", flush=True)
+""")
+
+
 @pytest.fixture
 def short_tmp():
     """A fresh directory with a short path (Ray's socket paths under it must stay within 107 bytes)."""
@@ -64,4 +97,26 @@ def test_a_sigterm_while_ray_connects_exits_as_sigterm_does_and_leaves_nothing(m
                           text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
     assert done.returncode == 15, done.stderr[-2000:]
     assert "SIGTERM received" not in done.stderr and "did not end" not in done.stdout
+    assert list(short_tmp.iterdir()) == []
+
+
+def test_a_ray_call_after_the_exit_hook_starts_no_other_ray(model_dir, short_tmp):
+    """A thread reading a stream when a script ends without `rollout.shutdown()` called Ray after the exit hook
+    had stopped the embedded one: Ray's automatic `ray.init` then started a Ray of its own, with a dashboard,
+    whose world-writable session directory stayed."""
+    done = subprocess.run([sys.executable, "-c", CALL_AFTER_EXIT_HOOK, model_dir("qwen3")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout, done.stdout
+    assert list(short_tmp.iterdir()) == []
+
+
+def test_a_script_that_ends_while_threads_read_streams_exits_cleanly(model_dir, short_tmp):
+    """Ray stopped under threads calling the service: one calling Ray after it had stopped made Ray's C++ end the
+    process (status 1) before the exit hook removed the session directory. The service is now shut down first,
+    as `rollout.shutdown()` does, so the threads' calls end before Ray stops."""
+    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_A_THREAD_READS, model_dir("qwen3")], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ends without" in done.stdout
     assert list(short_tmp.iterdir()) == []
