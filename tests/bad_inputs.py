@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import strategies as st
 
 VOCAB, MAX_LEN = 512, 1024  # the tiny qwen3 model of the tests
@@ -50,7 +52,8 @@ BAD_PROMPTS = {
     "negative token id": st.integers(max_value=-1).map(lambda t: ([5, t], f"prompt {{i}} has token id {t} ")),
     "token id beyond the vocabulary": st.integers(VOCAB, 2**70).map(
         lambda t: ([t, 5], f"prompt {{i}} has token id {t} outside the vocabulary")),
-    "token id not an int": st.sampled_from([1.5, None, "7", True, [3], b"x"]).map(
+    "token id not an int": st.sampled_from([1.5, None, "7", True, [3], b"x", np.float32(2), torch.tensor(True),
+                                            torch.tensor(2.0)]).map(
         lambda t: ([5, t], f"prompt {{i}} has {t!r}, which is not an integer token id")),
     "prompt of the model's length or more": st.integers(MAX_LEN, MAX_LEN + 50).map(
         lambda n: ([7] * n, f"prompt {{i}} has {n} tokens")),

@@ -4,7 +4,9 @@ refused with an error naming it instead of failing in a step or waiting forever.
 from __future__ import annotations
 
 import numbers
+import operator
 
+import torch
 import transformers
 
 from rollout.config import EngineConfig
@@ -49,16 +51,26 @@ def check_prompt(index: int, prompt: object, vocab_size: int, max_model_len: int
         raise ValueError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError(f"prompt {index} is empty")
-    for token in ids:  # (None is a bad token too, so no next(..., None) here)
-        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
-            raise ValueError(f"prompt {index} has {token!r}, which is not an integer token id")
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"prompt {index} has token id {token!r} outside the vocabulary [0, {vocab_size})")
-    ids = [int(t) for t in ids]
+    ids = [_token_id(index, token, vocab_size) for token in ids]
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt {index} has {len(ids)} tokens; the model's maximum length is "
                          f"{max_model_len} (prompt + at least one generated token)")
     return ids
+
+
+def _token_id(index: int, token: object, vocab_size: int) -> int:
+    """`token` of prompt `index` as an int (numpy and torch integer scalars too: they convert losslessly);
+    ValueError unless it is an integer in the vocabulary."""
+    not_scalar = isinstance(token, torch.Tensor) and (token.dim() != 0 or token.dtype == torch.bool)
+    try:
+        token_id = None if isinstance(token, bool) or not_scalar else operator.index(token)
+    except TypeError:
+        token_id = None
+    if token_id is None:
+        raise ValueError(f"prompt {index} has {token!r}, which is not an integer token id")
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"prompt {index} has token id {token!r} outside the vocabulary [0, {vocab_size})")
+    return token_id
 
 
 def check_sample_indices(sample_indices: object, n: int) -> list[int]:
