@@ -12,7 +12,7 @@ import ray
 from ray.actor import ActorHandle
 
 from rollout.config import LOCAL_CONFIG, ServiceConfig, load_service_config
-from rollout.local_ray import start_local_ray, stop_local_ray
+from rollout.local_ray import no_ray_after_exit, start_local_ray, stop_local_ray
 from rollout.params import WeightSource, check_prompt_list
 from rollout.service import launch, stop
 from rollout.service_lost import calls_refused, reached, wait_for_calls
@@ -132,6 +132,8 @@ def _shutdown_at_exit() -> None:
     calling Ray after it had stopped made Ray's C++ end the process before the session directory was removed.
     It runs before `local_ray`'s exit hook, registered when that module was imported, which then has nothing
     to do."""
+    if _owns_ray:
+        no_ray_after_exit()
     if _service is not None or _owns_ray:
         shutdown()
 

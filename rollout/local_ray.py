@@ -135,11 +135,16 @@ def _restore_callers_settings() -> None:
 def _stop_at_exit() -> None:
     """At exit without `stop_local_ray` (a script that never called rollout.shutdown(), or raised before it),
     stop the local Ray and remove its session directories, which would otherwise stay in /tmp for good. It
-    runs before Ray's own exit hook (registered earlier, when Ray was imported), which then has nothing to do.
-    A Ray call after it (a thread still reading a stream) then fails rather than start a Ray of Ray's own."""
+    runs before Ray's own exit hook (registered earlier, when Ray was imported), which then has nothing to do."""
     if _private_dirs:
-        auto_init_hook.enable_auto_connect = False
+        no_ray_after_exit()
         stop_local_ray()
+
+
+def no_ray_after_exit() -> None:
+    """At exit, once the embedded Ray stops, a Ray call (a thread still reading a stream) fails rather than
+    start a Ray of Ray's own (`ray.init` behind the caller's back: in /tmp/ray, with a dashboard)."""
+    auto_init_hook.enable_auto_connect = False
 
 
 atexit.register(_stop_at_exit)

@@ -289,7 +289,7 @@ def test_prompts_as_arrays_and_all_checked_before_any_is_queued(qwen3):
     arrays = [np.array([5, 6, 7]), torch.tensor([5, 6, 7]), (5, 6, 7), list(torch.tensor([5, 6, 7])),
               list(np.array([5, 6, 7]))]  # lists of scalars too, as `list(tensor)` makes them
     assert engine.tokenize(arrays) == [[5, 6, 7]] * 5
-    for token in (torch.tensor(True), torch.tensor([6]), torch.tensor(6.0)):
+    for token in (torch.tensor(True), torch.tensor([6]), torch.tensor(6.0), torch.tensor(6, device="meta")):
         with pytest.raises(ValueError, match=r"prompt 0 has tensor\(.*\), which is not an integer token id"):
             engine.tokenize([[5, token]])
     with pytest.raises(ValueError, match=r"prompt 1 \(70 tokens\) .* needs 6 blocks"):

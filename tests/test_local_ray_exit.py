@@ -48,9 +48,13 @@ CALL_AFTER_EXIT_HOOK = textwrap.dedent("""
         except Exception as err:
             print("refused:", type(err).__name__, flush=True)
     atexit.register(late_call)
+    import rollout
     from rollout import local_ray
     from rollout.config import load_service_config
-    local_ray.start_local_ray(load_service_config(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3))
+    if sys.argv[2] == "init":
+        rollout.init(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3)
+    else:
+        local_ray.start_local_ray(load_service_config(model=sys.argv[1], num_workers=1, object_store_memory_gib=0.3))
 """)
 
 
@@ -100,12 +104,13 @@ def test_a_sigterm_while_ray_connects_exits_as_sigterm_does_and_leaves_nothing(m
     assert list(short_tmp.iterdir()) == []
 
 
-def test_a_ray_call_after_the_exit_hook_starts_no_other_ray(model_dir, short_tmp):
+@pytest.mark.parametrize("started_by", ["init", "start_local_ray"])
+def test_a_ray_call_after_the_exit_hook_starts_no_other_ray(model_dir, short_tmp, started_by):
     """A thread reading a stream when a script ends without `rollout.shutdown()` called Ray after the exit hook
     had stopped the embedded one: Ray's automatic `ray.init` then started a Ray of its own, with a dashboard,
     whose world-writable session directory stayed."""
-    done = subprocess.run([sys.executable, "-c", CALL_AFTER_EXIT_HOOK, model_dir("qwen3")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    done = subprocess.run([sys.executable, "-c", CALL_AFTER_EXIT_HOOK, model_dir("qwen3"), started_by],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout, done.stdout
     assert list(short_tmp.iterdir()) == []

@@ -35,6 +35,14 @@ def test_a_set_num_blocks_beyond_free_memory_is_refused_naming_it(model_dir, mon
     assert make_engine(model_dir(), num_blocks=37).pool.num_blocks == 37
 
 
+def test_a_set_num_blocks_is_checked_as_allocated_without_the_layers_in_rings(zoo_dir, monkeypatch):
+    """Gemma 2's windowed layers kept in rings take no blocks: its set cache was checked as if they did."""
+    engine = make_engine(zoo_dir("gemma2"), num_blocks=64, windowed_kv="window")
+    assert engine.runner.ring_blocks and engine.runner.kv_cache.nbytes == 64 * engine.runner.bytes_per_block
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: engine.runner.kv_cache.nbytes)
+    assert make_engine(zoo_dir("gemma2"), num_blocks=64, windowed_kv="window").pool.num_blocks == 64
+
+
 def test_automatic_size_stays_within_the_budget(model_dir):
     budget = 0.001
     engine = make_engine(model_dir(), num_blocks=None, kv_cache_memory_gib=budget)

@@ -16,6 +16,7 @@ from rollout.weight_sync import WeightSource, WeightSync, push_weights
 
 FOREVER_S = 1e9  # a wait this long (about 31 years) or longer has no limit: Ray's wait overflows from about 9.2e15 s
 
+
 class RolloutClient:
     """Samples from a running service (e.g. started by `rollout serve`) and updates its weights exactly like
     `rollout.sample` and `rollout.update_weights`."""

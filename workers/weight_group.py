@@ -15,6 +15,7 @@ from workers.messages import BACKENDS
 
 MAX_TIMEOUT_S = 1e9  # about 31 years; torch takes a store's timeout as a timedelta, which overflows above 8.6e13 s
 
+
 def check_group_options(host: str | None, port: int, timeout_s: float) -> None:
     """ValueError naming the first bad option of a group rank 0 would host: a port outside [0, 65535], a timeout
     that is not a positive number of seconds, or a host this machine cannot listen on (checked by binding a free

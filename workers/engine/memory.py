@@ -95,9 +95,13 @@ def num_cache_blocks(config: EngineConfig, budget: int, bytes_per_block: int, ma
 
 def check_set_cache(num_blocks: int, nbytes: int, device: torch.device) -> None:
     """ValueError naming `num_blocks`, as set, when its cache of `nbytes` exceeds the memory free on `device`
-    now: the allocator's own error names no setting, and on the CPU a cache of untouched pages would be
-    allocated, then killed for memory once filled."""
-    free = available_ram_bytes() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+    now (on a card, with what torch's allocator holds unused): the allocator's own error names no setting, and on
+    the CPU a cache of untouched pages would be allocated, then killed for memory once filled."""
+    if device.type == "cpu":
+        free = available_ram_bytes()
+    else:
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+        free -= torch.cuda.memory_allocated(device)
     if nbytes > free:
         raise ValueError(f"EngineConfig.num_blocks={num_blocks} needs a KV cache of {nbytes / 2**30:.2f} GiB; the "
                          f"{device.type} has {free / 2**30:.2f} GiB free (unset, num_blocks fits the memory)")

@@ -147,10 +147,10 @@ class ModelRunner:
         sized = self.config.num_blocks is None
         num_blocks = self.config.num_blocks
         budget = self._kv_budget() if sized else num_blocks * self.bytes_per_block
-        if not sized:
-            memory.check_set_cache(num_blocks, budget, self.device)
         budget -= self._add_rings(budget)
-        if sized:
+        if not sized:  # the cache's layout as allocated: without the windowed layers now in rings
+            memory.check_set_cache(num_blocks, num_blocks * self.bytes_per_block, self.device)
+        else:
             try:
                 num_blocks = memory.num_cache_blocks(self.config, budget, self.bytes_per_block, self.max_model_len)
             except ValueError as err:

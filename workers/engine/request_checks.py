@@ -64,7 +64,7 @@ def _token_id(index: int, token: object, vocab_size: int) -> int:
     not_scalar = isinstance(token, torch.Tensor) and (token.dim() != 0 or token.dtype == torch.bool)
     try:
         token_id = None if isinstance(token, bool) or not_scalar else operator.index(token)
-    except TypeError:
+    except (TypeError, RuntimeError):  # RuntimeError: a tensor without values (meta)
         token_id = None
     if token_id is None:
         raise ValueError(f"prompt {index} has {token!r}, which is not an integer token id")
