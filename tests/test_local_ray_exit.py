@@ -83,11 +83,16 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def run_script(script: str, ray_tmpdir: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """`script` run by a fresh Python with `args`, its Ray sessions under `ray_tmpdir`."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "RAY_TMPDIR": str(ray_tmpdir)})
+
+
 def test_a_process_that_exits_without_shutdown_leaves_no_session_directory(model_dir, short_tmp):
     """Ray's session (logs, sockets) lives under a private directory that `stop_local_ray` removes; a process
     that never called it removes it at exit too, instead of leaving one in /tmp per run."""
-    done = subprocess.run([sys.executable, "-c", START_AND_EXIT, model_dir("qwen3")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    done = run_script(START_AND_EXIT, short_tmp, model_dir("qwen3"))
     assert done.returncode == 3, done.stderr[-2000:]
     private = Path(done.stdout.split()[-1])
     assert private.parent == short_tmp and private.name.startswith("rollout-ray-")
@@ -97,8 +102,7 @@ def test_a_process_that_exits_without_shutdown_leaves_no_session_directory(model
 def test_a_sigterm_while_ray_connects_exits_as_sigterm_does_and_leaves_nothing(model_dir, short_tmp):
     """Ray's C++ failure-signal handler, installed in this process as its core worker starts, took SIGTERM from
     Python's: a SIGTERM then printed Ray's stack dump and aborted (status 134), leaving Ray's session behind."""
-    done = subprocess.run([sys.executable, "-c", TERM_WHILE_CONNECTING, model_dir("qwen3")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    done = run_script(TERM_WHILE_CONNECTING, short_tmp, model_dir("qwen3"))
     assert done.returncode == 15, done.stderr[-2000:]
     assert "SIGTERM received" not in done.stderr and "did not end" not in done.stdout
     assert list(short_tmp.iterdir()) == []
@@ -109,8 +113,7 @@ def test_a_ray_call_after_the_exit_hook_starts_no_other_ray(model_dir, short_tmp
     """A thread reading a stream when a script ends without `rollout.shutdown()` called Ray after the exit hook
     had stopped the embedded one: Ray's automatic `ray.init` then started a Ray of its own, with a dashboard,
     whose world-writable session directory stayed."""
-    done = subprocess.run([sys.executable, "-c", CALL_AFTER_EXIT_HOOK, model_dir("qwen3"), started_by],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    done = run_script(CALL_AFTER_EXIT_HOOK, short_tmp, model_dir("qwen3"), started_by)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout, done.stdout
     assert list(short_tmp.iterdir()) == []
@@ -120,8 +123,7 @@ def test_a_script_that_ends_while_threads_read_streams_exits_cleanly(model_dir, 
     """Ray stopped under threads calling the service: one calling Ray after it had stopped made Ray's C++ end the
     process (status 1) before the exit hook removed the session directory. The service is now shut down first,
     as `rollout.shutdown()` does, so the threads' calls end before Ray stops."""
-    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_A_THREAD_READS, model_dir("qwen3")], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "RAY_TMPDIR": str(short_tmp)})
+    done = run_script(EXIT_WHILE_A_THREAD_READS, short_tmp, model_dir("qwen3"), timeout_s=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ends without" in done.stdout
     assert list(short_tmp.iterdir()) == []
